@@ -1,0 +1,40 @@
+"""Rotary position embedding on (batch, seq, heads, head_dim) tensors, and its transpose.
+
+Same convention as torchtitan's Llama3 (interleaved pairs rotated by complex ``freqs_cis``), but
+written on real cos/sin tables so the UPipe op can rotate one stage's heads in float32 and undo
+the rotation on gradients (the VJP of a rotation by theta is a rotation by -theta).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
+    """Rows of the complex RoPE table at ``positions`` as real (P..., head_dim/2, 2) float32.
+
+    ``positions`` is (S,) or (B, S) global token indices; only those rows are materialised.
+    """
+    return torch.view_as_real(freqs_cis[positions]).float()
+
+
+def _rotate(x: Tensor, table: Tensor, sign: float) -> Tensor:
+    # table: (S, d/2, 2) or (B, S, d/2, 2) -> broadcast over batch and heads.
+    if table.dim() == 3:
+        table = table.unsqueeze(0)
+    cos, sin = table[..., 0].unsqueeze(2), table[..., 1].unsqueeze(2) * sign
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def apply_rope(x: Tensor, table: Tensor) -> Tensor:
+    """Rotate every head of ``x`` (B, S, h, d) by its position's angles."""
+    return _rotate(x, table, 1.0)
+
+
+def apply_rope_transpose(grad: Tensor, table: Tensor) -> Tensor:
+    """Gradient of ``apply_rope`` with respect to its input: rotate back."""
+    return _rotate(grad, table, -1.0)
