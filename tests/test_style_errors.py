@@ -1,0 +1,67 @@
+"""Bad geometry and misuse fail at parallelize_module (or the first forward) with a clear fix.
+
+Runs in-process on PyTorch's fake process group, so any CP degree can be tried without spawning.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from harness import tiny_llama
+from upipe_dtensor import UlyssesAttention, UPipeAttention
+
+WORLD = 8
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _apply(model, style, shape=(WORLD,), names=None, path="layers.*.attention"):
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return parallelize_module(model, mesh, {path: style})
+
+
+def test_heads_per_stage_must_divide_heads(fake_world) -> None:
+    with pytest.raises(ValueError, match=r"n_heads=32 is not divisible by heads_per_stage=12.*\[8, 16, 32\]"):
+        _apply(tiny_llama(32, 8, seq_len=64), UPipeAttention(heads_per_stage=12))
+
+
+def test_heads_must_split_over_ranks(fake_world) -> None:
+    with pytest.raises(ValueError, match="n_heads=4 is not divisible by the cp degree 8"):
+        _apply(tiny_llama(4, 4, seq_len=64), UlyssesAttention())
+
+
+def test_needs_a_one_dimensional_mesh(fake_world) -> None:
+    with pytest.raises(ValueError, match=r"1-D context-parallel mesh.*mesh\['cp'\]"):
+        _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention(), shape=(2, 4), names=("dp", "cp"))
+
+
+def test_applies_only_to_llama_attention(fake_world) -> None:
+    with pytest.raises(ValueError, match="lacks.*'layers.\\*.attention'"):
+        _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention(), path="layers.*.feed_forward")
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
+        UPipeAttention(backend="xformers")
+
+
+def test_sequence_longer_than_rope_table(fake_world) -> None:
+    model = _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention())
+    with pytest.raises(ValueError, match=r"sequence length 128 .* max_seq_len >= 128"):
+        model(torch.zeros(1, 16, dtype=torch.long))  # 16 local tokens x 8 ranks > 64
+
+
+def test_positions_shape_is_checked(fake_world) -> None:
+    model = _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention())
+    with pytest.raises(ValueError, match=r"positions must be \(1, 4\) or \(B, 4\)"):
+        model(torch.zeros(1, 4, dtype=torch.long), positions=torch.arange(4))
