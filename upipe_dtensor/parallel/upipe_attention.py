@@ -28,6 +28,8 @@ both layouts at once; UPipe with U = C holds 1/(H/C) of that.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -36,6 +38,13 @@ from ..kernels.attention import attention_backward, attention_forward, resolve_b
 from ..kernels.rope import apply_rope, apply_rope_transpose
 from .all_to_all import heads_to_sequence, sequence_to_heads, _group
 from .head_schedule import HeadSchedule, Stage, make_head_schedule
+
+
+@functools.lru_cache(maxsize=None)
+def _head_index(heads: tuple[int, ...], device: torch.device) -> Tensor:
+    """A stage's head indices on ``device``, built once: a fresh host-to-GPU copy per stage
+    would stall the CPU until the stream catches up."""
+    return torch.tensor(heads, device=device)
 
 
 class _Layer:
@@ -77,7 +86,7 @@ class _Layer:
         heads = len(stage.query_heads)
         if first is not None:
             return weight[first : first + heads].reshape(-1, self.dim)
-        index = torch.tensor(stage.query_heads, device=weight.device)
+        index = _head_index(stage.query_heads, weight.device)
         return weight.index_select(0, index).reshape(-1, self.dim)
 
     def block_rows(self, weight: Tensor, block: int) -> Tensor:
@@ -112,15 +121,13 @@ class _Layer:
         if first is not None:
             buffer[:, :, first : first + values.shape[2]] = values
         else:
-            index = torch.tensor(stage.query_heads, device=buffer.device)
-            buffer.index_copy_(2, index, values)
+            buffer.index_copy_(2, _head_index(stage.query_heads, buffer.device), values)
 
     def read_stage(self, buffer: Tensor, stage: Stage) -> Tensor:
         first = stage.first_head_if_contiguous
         if first is not None:
             return buffer[:, :, first : first + len(stage.query_heads)]
-        index = torch.tensor(stage.query_heads, device=buffer.device)
-        return buffer.index_select(2, index)
+        return buffer.index_select(2, _head_index(stage.query_heads, buffer.device))
 
 
 def upipe_forward(
