@@ -6,8 +6,9 @@ LSE, so every backend here exposes the kernel-level pair (forward -> out, lse; b
 have fewer heads than Q (GQA: query head i uses KV head i // (hq // hk)). LSE is (batch, hq, seq),
 float32.
 
-Backends: ``flash`` (flash-attn 2, CUDA), ``sdpa`` (PyTorch's own flash kernels: the CPU one or
-the CUDA one, whose backward recomputes the stage's attention forward), ``auto`` = flash when
+Backends: ``flash`` (flash-attn 2, CUDA), ``sdpa`` (PyTorch's own flash kernels: the CPU one, which
+takes GQA as is, or the CUDA one, which gets K/V repeated to the query heads and whose backward
+recomputes the stage's attention forward), ``auto`` = flash when
 importable on CUDA, else sdpa. These run inside the UPipe
 custom op, whose fake implementation is what ``torch.compile`` sees.
 """
@@ -59,15 +60,15 @@ def attention_forward(
             q, k, v, 0.0, scale, True, -1, -1, 0.0, None, False
         )
         return out, lse
-    n_rep = q.shape[2] // k.shape[2]
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)))
     if q.is_cuda:
+        n_rep = q.shape[2] // k.shape[2]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)))
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             qt, kt, vt, 0.0, True, False, scale=scale
         )
-    else:
+    else:  # the CPU kernel takes fewer KV heads as they are
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qt, kt, vt, 0.0, True, scale=scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=scale
         )
     return out.transpose(1, 2), lse
 
@@ -92,23 +93,22 @@ def attention_backward(
             0.0, scale, True, -1, -1, 0.0, None, False,
         )
         return dq, dk, dv
-    n_rep = q.shape[2] // k.shape[2]
-    qt, kt, vt, ot, gt = (
-        t.transpose(1, 2)
-        for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), out, grad_out)
-    )
-    if q.is_cuda:
-        # The CUDA SDPA flash backward needs forward-only bookkeeping tensors that cannot cross
-        # the stage boundary, so this path differentiates a recomputed stage instead.
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (qt, kt, vt)]
-            recomputed = torch.nn.functional.scaled_dot_product_attention(
-                *leaves, is_causal=True, scale=scale
-            )
-            dq, dk, dv = torch.autograd.grad(recomputed, leaves, gt)
-    else:
+    if not q.is_cuda:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            gt, qt, kt, vt, ot, lse, 0.0, True, scale=scale
+            *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)), lse, 0.0, True, scale=scale
         )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    # The CUDA SDPA flash backward needs forward-only bookkeeping tensors that cannot cross the
+    # stage boundary, so this path differentiates a recomputed stage instead.
+    n_rep = q.shape[2] // k.shape[2]
+    with torch.enable_grad():
+        leaves = [
+            t.detach().transpose(1, 2).requires_grad_()
+            for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep))
+        ]
+        recomputed = torch.nn.functional.scaled_dot_product_attention(
+            *leaves, is_causal=True, scale=scale
+        )
+        dq, dk, dv = torch.autograd.grad(recomputed, leaves, grad_out.transpose(1, 2))
     dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
     return dq, _sum_kv_grad(dk, n_rep), _sum_kv_grad(dv, n_rep)

@@ -18,12 +18,17 @@ Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = 
   forward : the output buffer N*H*d*b  +  one stage's Q, attention output and their all-to-all
             buffers, each N*U*d*b (~4 live at once)  +  one KV block's K, V (local and exchanged,
             N*C*k*d*b each, k = KV heads per rank)  +  the LSEs, H/C * B*S floats in total.
-  saved   : x, the output buffer (which ``wo`` saves anyway) and the LSEs. Q/K/V are never kept.
+  saved   : x, the output buffer (which ``wo`` saves anyway), the LSEs and the RoPE rows of the
+            shard (N*d*4). Q/K/V are never kept.
   backward: recomputes each stage's Q (and each block's K/V) from x, exchanges the stage's slices
-            of the output and its gradient, and holds one stage's worth of those plus dx and the
-            block's float32 dK/dV accumulators (2 * N*C*k*d*4).
-Nothing else scales with H: classic Ulysses (U = H) holds all of Q and the attention output in
-both layouts at once; UPipe with U = C holds 1/(H/C) of that.
+            of the output and its gradient, and holds one stage's worth of those plus dx, the
+            weight gradients and the block's float32 dK/dV accumulators (2 * N*C*k*d*4).
+  weights : a stage whose heads are not contiguous gathers its U*d rows of wq (U*d*D elements;
+            independent of the sequence length, so negligible at long context).
+  kernels : the CUDA SDPA backend repeats K/V to the U/C query heads of a stage; the CPU kernel
+            and flash-attn take grouped K/V as they are.
+Classic Ulysses (U = H) holds all of Q and the attention output in both layouts at once; UPipe
+with U = C holds C/H of that. ``benchmarks/attention_memory.py`` measures it.
 """
 
 from __future__ import annotations
@@ -123,6 +128,16 @@ class _Layer:
         else:
             buffer.index_copy_(2, _head_index(stage.query_heads, buffer.device), values)
 
+    def write_weight_grad(self, grad_w: Tensor, stage: Stage, grad_proj: Tensor) -> None:
+        """grad_w[stage heads] = grad_proj.T @ x, in place when the heads are contiguous."""
+        first = stage.first_head_if_contiguous
+        if first is not None:
+            rows = grad_w[first : first + len(stage.query_heads)].view(-1, self.dim)
+            torch.mm(grad_proj.t(), self.x_flat, out=rows)
+        else:
+            index = _head_index(stage.query_heads, grad_w.device)
+            grad_w.index_copy_(0, index, (grad_proj.t() @ self.x_flat).view(-1, *grad_w.shape[1:]))
+
     def read_stage(self, buffer: Tensor, stage: Stage) -> Tensor:
         first = stage.first_head_if_contiguous
         if first is not None:
@@ -212,13 +227,8 @@ def upipe_backward(
         grad_q = apply_rope_transpose(layer.to_sequence(grad_q_h), rope)
         del grad_q_h
         grad_q = grad_q.reshape(-1, layer.wq.shape[1] * len(stage.query_heads))
-        rows = layer.stage_rows(layer.wq, stage)
-        grad_x.addmm_(grad_q, rows)
-        layer.write_stage(
-            grad_wq.view(1, 1, -1, head_dim * layer.dim),
-            stage,
-            (grad_q.t() @ layer.x_flat).view(1, 1, -1, head_dim * layer.dim),
-        )
+        grad_x.addmm_(grad_q, layer.stage_rows(layer.wq, stage))
+        layer.write_weight_grad(grad_wq, stage, grad_q)
         del grad_q
 
         if stage.closes_kv_block:
@@ -230,7 +240,7 @@ def upipe_backward(
             for grad, weight, grad_weight in ((grad_k, layer.wk, grad_wk), (grad_v, layer.wv, grad_wv)):
                 grad = grad.reshape(-1, (stop - start) * head_dim)
                 grad_x.addmm_(grad, weight[start:stop].reshape(-1, layer.dim))
-                grad_weight[start:stop] = (grad.t() @ layer.x_flat).view(-1, head_dim, layer.dim)
+                torch.mm(grad.t(), layer.x_flat, out=grad_weight[start:stop].view(-1, layer.dim))
             del grad_k, grad_v
             k_h = v_h = grad_k_h = grad_v_h = None
 

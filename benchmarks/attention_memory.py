@@ -1,0 +1,448 @@
+"""Peak memory inside one attention layer: UPipe (U = C, 2C) versus Ulysses (U = H), CPU + gloo.
+
+UPipe's claim is that running Ulysses a few heads at a time shrinks the query-side intermediates
+(Q, the attention output and their all-to-all buffers) to about U/H of Ulysses' (see "Memory
+bound" in ``upipe_dtensor/parallel/upipe_attention.py``). The stage loop runs inside the custom op
+``upipe::attention_fwd`` / ``attention_bwd``, so a dispatch mode would see only the op's outputs.
+This script instead reads the profiler's allocator events (``profile_memory=True``), which record
+CPU allocations and frees including the transient buffers inside the op, puts back the frees made
+on gloo's worker thread (which the profiler misses; see ``allocations``), and replays them in time
+order to get the peak of live bytes above the level at the start of each region.
+
+Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=64, S=8192).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch._C._profiler import _EventType, _ProfilerEvent
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.profiler import ProfilerActivity, profile, record_function
+from torchtitan.models.llama3.model.args import TransformerModelArgs
+from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
+
+from upipe_dtensor.parallel.style import UPipeAttention
+
+MiB = 2**20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FORWARD, BACKWARD = "bench::forward", "bench::backward"
+# Ops that only allocate: an allocation is labelled by the op that called them instead.
+_ALLOC_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+              "aten::zeros", "aten::zeros_like", "aten::new_empty_strided"}
+_AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+_CODE_OF_INTEREST = re.compile(r"upipe_dtensor|torch/nn/modules|attention_memory")
+_FRAME = re.compile(r"\(\d+\)")  # a PyCall's line number is its def line, not the call's: drop it
+
+
+# --- allocation tracking ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One allocator event: +bytes on allocation, -bytes on free, with who allocated it."""
+
+    time_ns: int
+    nbytes: int
+    ptr: int
+    label: str
+
+
+@dataclass
+class RegionMemory:
+    """Peak live bytes above the region's starting level, the level at its end, and who was live
+    at the peak (bytes allocated inside the region, grouped by label)."""
+
+    peak_bytes: int
+    end_bytes: int
+    live_at_peak: dict[str, int]
+
+
+def _origin(event: _ProfilerEvent) -> tuple[str, int | None]:
+    """Who made an allocation, as ``file function: aten op`` (the innermost package or ``nn``
+    Python frame, or the autograd node for backward ops that run without Python), and when that
+    frame returned (None if there is no such frame)."""
+    op, node = "?", event.parent
+    while node is not None:
+        if node.tag == _EventType.TorchOp:
+            if node.name.startswith(_AUTOGRAD_NODE):
+                return f"autograd {node.name[len(_AUTOGRAD_NODE):]}: {op}", node.end_time_ns
+            if op == "?" or op in _ALLOC_OPS:
+                op = node.name
+        elif node.tag == _EventType.PyCall and _CODE_OF_INTEREST.search(node.name):
+            return f"{_FRAME.sub('', os.path.basename(node.name))}: {op}", node.end_time_ns
+        node = node.parent
+    return f"?: {op}", None
+
+
+def allocations(prof: profile, alive: set[int]) -> tuple[list[Allocation], int]:
+    """Every CPU allocation and free in time order, with the frees the profiler missed put back.
+
+    The profiler records a free only on a thread where it is active. Gloo's worker thread
+    sometimes drops the last reference to an all-to-all buffer (its work object holds them), so
+    that free goes unrecorded and the buffer would look live forever. An allocation without a
+    recorded free, whose address is reused or which is not in ``alive`` (storage pointers known to
+    outlive the profile), is freed when the Python frame that made it returned (the program's
+    last use) or at the reuse, whichever is first. Returns (events, number of frees put back).
+    """
+    raw: list[tuple[_ProfilerEvent, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            raw.append((event, event.extra_fields.alloc_size))
+    raw.sort(key=lambda item: (item[0].start_time_ns, item[1]))
+
+    found: list[Allocation] = []
+    unfreed: dict[int, tuple[Allocation, int | None]] = {}
+    missed: list[tuple[Allocation, int | None, int | None]] = []  # (allocation, frame end, reuse)
+    for event, nbytes in raw:
+        ptr, time_ns = event.extra_fields.ptr, event.start_time_ns
+        if nbytes < 0:
+            unfreed.pop(ptr, None)
+            found.append(Allocation(time_ns, nbytes, ptr, ""))
+            continue
+        if ptr in unfreed:
+            missed.append((*unfreed.pop(ptr), time_ns))
+        label, frame_end = _origin(event)
+        allocation = Allocation(time_ns, nbytes, ptr, label)
+        unfreed[ptr] = (allocation, frame_end)
+        found.append(allocation)
+    missed += [(a, end, None) for a, end in unfreed.values() if a.ptr not in alive]
+    for allocation, frame_end, reuse in missed:
+        times = [t for t in (frame_end, reuse) if t is not None]
+        if not times:
+            raise RuntimeError(f"no free recorded for {allocation}, and no way to place one")
+        found.append(Allocation(min(times), -allocation.nbytes, allocation.ptr, ""))
+    found.sort(key=lambda a: (a.time_ns, a.nbytes))
+    return found, len(missed)
+
+
+def region(prof: profile, name: str) -> tuple[int, int]:
+    """[start, end] in ns of the outermost profiler range called ``name`` (an op or a
+    ``record_function``); a custom op shows up once per dispatch level, all nested."""
+    found: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.TorchOp and event.name == name:
+            found.append((event.start_time_ns, event.end_time_ns))
+        stack.extend(event.children)
+    if not found:
+        raise KeyError(f"no profiler range named {name!r}")
+    return max(found, key=lambda span: span[1] - span[0])
+
+
+def region_memory(events: list[Allocation], start: int, end: int) -> RegionMemory:
+    """Replay all events (so frees of earlier allocations count) and measure within [start, end]."""
+    level = baseline = peak = 0
+    live: dict[int, Allocation] = {}
+    live_at_peak: list[Allocation] = []
+    for event in events:
+        if event.time_ns > end:
+            break
+        level += event.nbytes
+        if event.nbytes > 0:
+            live[event.ptr] = event
+        else:
+            live.pop(event.ptr, None)
+        if event.time_ns < start:
+            baseline = level
+        elif level - baseline > peak:
+            peak = level - baseline
+            live_at_peak = [a for a in live.values() if a.time_ns >= start]
+    by_label: dict[str, int] = defaultdict(int)
+    for allocation in live_at_peak:
+        by_label[allocation.label] += allocation.nbytes
+    ordered = dict(sorted(by_label.items(), key=lambda item: -item[1]))
+    return RegionMemory(peak, level - baseline, ordered)
+
+
+def _profiler() -> profile:
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                   with_stack=True)
+
+
+def _freed_by_another_thread(nbytes: int) -> threading.Thread:
+    """Allocate ``nbytes`` and hand the only reference to a thread that drops it after this frame
+    returns, as gloo's worker thread does with all-to-all buffers. Join the returned thread."""
+    box = [torch.empty(nbytes, dtype=torch.uint8)]
+    thread = threading.Thread(target=lambda: (time.sleep(0.01), box.clear()))
+    thread.start()
+    return thread
+
+
+def check_tracker() -> None:
+    """Known peaks must come out exactly: 1 + 3 MiB live, then 3 + 2 MiB after a free, then a
+    4 MiB buffer whose free happens on another thread must not count as live at the end."""
+    with _profiler() as prof:
+        with record_function(FORWARD):
+            a = torch.empty(MiB, dtype=torch.uint8)
+            b = torch.empty(3 * MiB, dtype=torch.uint8)
+            del a
+            c = torch.empty(2 * MiB, dtype=torch.uint8)
+            del b, c
+            _freed_by_another_thread(4 * MiB).join()
+    events, put_back = allocations(prof, alive=set())
+    result = region_memory(events, *region(prof, FORWARD))
+    if (result.peak_bytes, result.end_bytes, put_back) != (5 * MiB, 0, 1):
+        raise RuntimeError(f"memory tracker is off: peak {result.peak_bytes}, end "
+                           f"{result.end_bytes}, frees put back {put_back}; expected "
+                           f"{5 * MiB}, 0, 1")
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """The shapes and the stage sizes U to compare (Ulysses, U = n_heads, always among them)."""
+
+    cp: int
+    seq_len: int
+    batch: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    stage_sizes: tuple[int, ...]
+
+
+@dataclass
+class Phase:
+    """Forward or backward of one U, in bytes, each the max over ranks.
+
+    ``layer_*``: the whole module call (projections, the UPipe op, ``wo``, autograd's grads).
+    ``op_*``: inside the ``upipe::attention_*`` op only, where the stage loop runs; ``op_returned``
+    is what the op hands back (forward: out buffer + LSEs; backward: dx, dwq, dwk, dwv), so
+    ``op_peak - op_returned`` is the loop's working memory. ``*_live_at_peak``: bytes allocated
+    in the region and live at its peak, by origin, on the rank with the largest peak.
+    """
+
+    layer_peak: int
+    layer_kept: int
+    op_peak: int
+    op_returned: int
+    layer_live_at_peak: dict[str, int]
+    op_live_at_peak: dict[str, int]
+
+    @property
+    def op_transient(self) -> int:
+        return self.op_peak - self.op_returned
+
+
+@dataclass
+class Row:
+    """One U; ``frees_put_back``: unrecorded frees that ``allocations`` inferred (max over ranks)."""
+
+    heads_per_stage: int
+    forward: Phase
+    backward: Phase
+    frees_put_back: int
+
+
+def build_attention(cfg: Config) -> Attention:
+    """A torchtitan Llama3 attention layer, identical on every rank."""
+    args = TransformerModelArgs(dim=cfg.n_heads * cfg.head_dim, n_heads=cfg.n_heads,
+                                n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len)
+    torch.manual_seed(0)
+    attention = Attention(args)
+    with torch.no_grad():
+        attention.init_weights(0.02)
+    return attention.to(DTYPES[cfg.dtype])
+
+
+def _phase(events: list[Allocation], layer: tuple[int, int], op: tuple[int, int]) -> Phase:
+    """This phase's numbers, each the max over ranks; breakdowns from the rank with that max."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (region_memory(events, *layer), region_memory(events, *op)))
+    whole = max((w for w, _ in gathered), key=lambda m: m.peak_bytes)
+    inner = max((i for _, i in gathered), key=lambda m: m.peak_bytes)
+    return Phase(
+        layer_peak=whole.peak_bytes,
+        layer_kept=max(w.end_bytes for w, _ in gathered),
+        op_peak=inner.peak_bytes,
+        op_returned=max(i.end_bytes for _, i in gathered),
+        layer_live_at_peak=whole.live_at_peak,
+        op_live_at_peak=inner.live_at_peak,
+    )
+
+
+def measure(cfg: Config, heads_per_stage: int, mesh: DeviceMesh, freqs_cis: torch.Tensor) -> Row:
+    """Profile one forward and one backward of a fresh layer at this U."""
+    dtype, dim = DTYPES[cfg.dtype], cfg.n_heads * cfg.head_dim
+    attention = parallelize_module(build_attention(cfg), mesh,
+                                   UPipeAttention(heads_per_stage=heads_per_stage))
+    # Warm-up on a short shard, so one-off lazy allocations do not count as the layer's.
+    attention(torch.randn(cfg.batch, 8, dim, dtype=dtype), freqs_cis).sum().backward()
+    attention.zero_grad(set_to_none=True)
+
+    torch.manual_seed(1 + dist.get_rank())
+    local_len = cfg.seq_len // cfg.cp
+    x = torch.randn(cfg.batch, local_len, dim, dtype=dtype, requires_grad=True)
+    grad = torch.randn(cfg.batch, local_len, dim, dtype=dtype)
+    dist.barrier()
+    with _profiler() as prof:
+        with record_function(FORWARD):
+            out = attention(x, freqs_cis)
+        with record_function(BACKWARD):
+            out.backward(grad)
+    survivors = [out, x.grad, *(p.grad for p in attention.parameters())]
+    events, put_back = allocations(prof, {t.untyped_storage().data_ptr() for t in survivors})
+    put_back_max = torch.tensor(put_back)
+    dist.all_reduce(put_back_max, op=dist.ReduceOp.MAX)
+    return Row(
+        heads_per_stage,
+        _phase(events, region(prof, FORWARD), region(prof, "upipe::attention_fwd")),
+        _phase(events, region(prof, BACKWARD), region(prof, "upipe::attention_bwd")),
+        int(put_back_max),
+    )
+
+
+def _rank_main(rank: int, cfg: Config, store: str, result_path: str) -> None:
+    """One CP rank: measure every U in turn (ranks stay in step through the collectives)."""
+    torch.set_num_threads(1)  # C processes share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cfg.cp)
+    try:
+        mesh = init_device_mesh("cpu", (cfg.cp,), mesh_dim_names=("cp",))
+        freqs_cis = precompute_freqs_cis(cfg.head_dim, cfg.seq_len, 500000.0)
+        rows = [measure(cfg, u, mesh, freqs_cis) for u in cfg.stage_sizes]
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump([asdict(r) for r in rows], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(cfg: Config) -> list[Row]:
+    """Spawn C gloo ranks (file:// rendezvous); rank 0 hands the rows back through a file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "rows.json")
+        mp.spawn(_rank_main, args=(cfg, os.path.join(tmp, "store"), result_path),
+                 nprocs=cfg.cp, join=True)
+        with open(result_path) as f:
+            return [Row(r["heads_per_stage"], Phase(**r["forward"]), Phase(**r["backward"]),
+                        r["frees_put_back"]) for r in json.load(f)]
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+
+def analytic_sizes(cfg: Config) -> dict[str, int]:
+    """Reference tensor sizes per rank in bytes (N = B*S/C local tokens)."""
+    tokens = cfg.batch * cfg.seq_len // cfg.cp
+    item = DTYPES[cfg.dtype].itemsize
+    sizes = {"x, out buffer or full Q, all heads (N*H*d)":
+             tokens * cfg.n_heads * cfg.head_dim * item}
+    for u in cfg.stage_sizes:
+        sizes[f"one stage's Q at U={u} (N*U*d)"] = tokens * u * cfg.head_dim * item
+    sizes["all of K (or V), H_kv heads (N*H_kv*d)"] = tokens * cfg.n_kv_heads * cfg.head_dim * item
+    sizes["wq (H*d x H*d)"] = (cfg.n_heads * cfg.head_dim) ** 2 * item
+    return sizes
+
+
+def _name(cfg: Config, heads_per_stage: int) -> str:
+    if heads_per_stage == cfg.n_heads:
+        return "U=H (Ulysses)"
+    if heads_per_stage == cfg.cp:
+        return "U=C (UPipe)"
+    return f"U={heads_per_stage // cfg.cp}C ({heads_per_stage})"
+
+
+def _table(title: str, columns: list[str], rows: list[tuple[str, list[float]]]) -> None:
+    print(title)
+    header = f"{'config':<16}" + "".join(f"{c:>12}" for c in columns)
+    print(header)
+    print("-" * len(header))
+    for name, values in rows:
+        print(f"{name:<16}" + "".join(f"{v:>12.2f}" for v in values))
+    print()
+
+
+def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -> None:
+    ulysses = next(r for r in rows if r.heads_per_stage == cfg.n_heads)
+    print(f"One attention layer, C={cfg.cp} gloo ranks, B={cfg.batch}, S={cfg.seq_len} "
+          f"({cfg.seq_len // cfg.cp} per rank), H={cfg.n_heads}, H_kv={cfg.n_kv_heads}, "
+          f"d={cfg.head_dim}, {cfg.dtype}.\nMiB of live CPU allocations above the level at the "
+          f"start of each region, max over ranks.\n")
+    _table("Whole layer (x ready -> output; output.backward(grad) -> grads exist)",
+           ["fwd peak", "bwd peak", "fwd/Ulysses", "bwd/Ulysses", "fwd kept"],
+           [(_name(cfg, r.heads_per_stage),
+             [r.forward.layer_peak / MiB, r.backward.layer_peak / MiB,
+              r.forward.layer_peak / ulysses.forward.layer_peak,
+              r.backward.layer_peak / ulysses.backward.layer_peak,
+              r.forward.layer_kept / MiB]) for r in rows])
+    _table("Inside the upipe op (stage loop); transient = peak - what the op returns",
+           ["fwd peak", "fwd trans", "bwd peak", "bwd trans", "fwd tr/Uly", "bwd tr/Uly"],
+           [(_name(cfg, r.heads_per_stage),
+             [r.forward.op_peak / MiB, r.forward.op_transient / MiB,
+              r.backward.op_peak / MiB, r.backward.op_transient / MiB,
+              r.forward.op_transient / ulysses.forward.op_transient,
+              r.backward.op_transient / ulysses.backward.op_transient]) for r in rows])
+    print("fwd kept: still live when forward returns (wo output, the op's saved out buffer, LSEs)."
+          f"\nFrees missed by the profiler (gloo worker thread) and put back, max per U: "
+          f"{', '.join(str(r.frees_put_back) for r in rows)}."
+          "\nReference sizes per rank:")
+    for name, nbytes in analytic_sizes(cfg).items():
+        print(f"  {name:<44}{nbytes / MiB:>8.2f} MiB")
+    for row in rows if breakdown else []:
+        for phase, data in (("forward", row.forward), ("backward", row.backward)):
+            for where, live in (("layer", data.layer_live_at_peak), ("op", data.op_live_at_peak)):
+                print(f"\n{_name(cfg, row.heads_per_stage)} {phase}, live at the {where} peak:")
+                for label, nbytes in list(live.items())[:breakdown]:
+                    print(f"  {nbytes / MiB:>8.2f} MiB  {label}")
+    print(f"\n({seconds:.0f} s)")
+
+
+def parse_args() -> tuple[Config, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cp", type=int, default=4, help="context-parallel degree C (processes)")
+    parser.add_argument("--seq-len", type=int, default=8192, help="total sequence length S")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--n-heads", type=int, default=32)
+    parser.add_argument("--n-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--stage-sizes", type=int, nargs="+", default=None,
+                        help="heads per stage U to compare (default: C, 2C, H; H is always added)")
+    parser.add_argument("--breakdown", type=int, default=0, metavar="N",
+                        help="also print the N largest origins of live bytes at each peak")
+    parser.add_argument("--json", action="store_true", help="print results as JSON instead")
+    args = parser.parse_args()
+    if args.seq_len % args.cp:
+        parser.error(f"--seq-len {args.seq_len} must be divisible by --cp {args.cp}")
+    sizes = sorted(set(args.stage_sizes or [args.cp, 2 * args.cp]) | {args.n_heads})
+    cfg = Config(args.cp, args.seq_len, args.batch, args.n_heads, args.n_kv_heads,
+                 args.head_dim, args.dtype, tuple(sizes))
+    return cfg, args
+
+
+def main() -> None:
+    cfg, args = parse_args()
+    check_tracker()
+    start = time.perf_counter()
+    rows = run(cfg)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"config": asdict(cfg), "analytic_bytes": analytic_sizes(cfg),
+                          "rows": [asdict(r) for r in rows]}, indent=2))
+    else:
+        print_report(cfg, rows, args.breakdown, seconds)
+
+
+if __name__ == "__main__":
+    main()
