@@ -1,0 +1,379 @@
+"""Job configuration: TOML files mapped onto typed dataclasses, plus ``--section.key value`` overrides.
+
+Section and key names follow torchtitan's ``JobConfig`` where torchtitan has them, so a torchtitan
+user reads our files without a glossary. A file may name a base file with a top-level
+``extends = "base.toml"`` (relative to itself); the base is loaded first and the file's keys win.
+Every problem (unknown key, wrong type, impossible combination) raises ``ConfigError`` naming the
+file, the key and a fix, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A job configuration that cannot run; the message names the source, the key and a fix."""
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder for this job's logs, tensorboard events and checkpoints."""
+    description: str = "default job"
+    """Free text, printed at start-up."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family; only torchtitan's Llama3 is supported."""
+    flavor: str = "debugmodel"
+    """Size preset: debugmodel, 8B or 32B (see upipe_dtensor.models)."""
+    tokenizer_path: str = "assets/tokenizer"
+    """Folder holding a Hugging Face tokenizer.json (or the file itself)."""
+
+
+@dataclass
+class Training:
+    dataset: str = "local"
+    """'local' reads dataset_path; any other value is a Hugging Face dataset name (streamed)."""
+    dataset_path: str = "assets/corpus"
+    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them."""
+    dataset_text_field: str = "text"
+    """Field (jsonl) or column (parquet, HF) holding each document's text."""
+    local_batch_size: int = 1
+    """Sequences per data-parallel rank per micro-batch."""
+    seq_len: int = 2048
+    """Tokens per sequence (the whole context; each CP rank holds seq_len / cp of it)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    steps: int = 100
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm (0 disables clipping)."""
+    seed: int = 0
+    """Seed for weight initialisation."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """FSDP2 parameter dtype for compute (CUDA only; CPU always computes in float32)."""
+    mixed_precision_reduce: Literal["float32"] = "float32"
+    """FSDP2 gradient reduction dtype."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    """FSDP data-parallel degree; -1 uses every rank not taken by context parallelism."""
+    context_parallel_degree: int = 1
+    """C: ranks that split each sequence (innermost mesh dimension)."""
+    cp_style: Literal["upipe", "ulysses"] = "upipe"
+    """Context-parallel attention: UPipe (a few heads per stage) or classic Ulysses (all heads)."""
+    heads_per_stage: int = 0
+    """UPipe's U, query heads per stage across the CP group; 0 means U = C."""
+    fsdp_reshard_after_forward: bool = True
+    """Free gathered parameters after each block's forward (re-gathered in backward)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer; AdamW (fused kernel on CUDA)."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    decay_type: Literal["linear", "cosine"] = "cosine"
+    """Shape of the decay after warmup."""
+    min_lr_factor: float = 0.0
+    """The decay ends at lr * min_lr_factor."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save torch.distributed.checkpoint snapshots and resume from the latest one."""
+    folder: str = "checkpoint"
+    """Sub-folder of job.dump_folder that holds step-N snapshots."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 2
+    """Delete older snapshots, keeping this many (0 keeps all)."""
+    load_step: int = -1
+    """Resume from this step's snapshot; -1 picks the latest complete one."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Print a metrics line every this many steps."""
+    enable_tensorboard: bool = True
+    """Write the same scalars as tensorboard events."""
+    save_tb_folder: str = "tb"
+    """Sub-folder of job.dump_folder for tensorboard events."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each TransformerBlock (fullgraph)."""
+    backend: str = "inductor"
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    compile: Compile = field(default_factory=Compile)
+    config_file: str | None = None
+    """The job file this config was loaded from (set by the loader)."""
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig) if f.name != "config_file"}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check (and for CLI strings, convert) ``value`` against a field's annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{where} = {value!r} is not one of {list(choices)}")
+        return value
+    if annotation is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_args(annotation) and type(None) in typing.get_args(annotation):  # X | None
+        inner = next(a for a in typing.get_args(annotation) if a is not type(None))
+        return None if value in (None, "none", "None") else _coerce(value, inner, where)
+    type_name = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"{where} = {value!r} should be of type {type_name}")
+
+
+def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, dict[str, Any]]:
+    """The file's sections, merged over its ``extends`` chain (base first)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass --config PATH to a .toml job file")
+    if path in seen:
+        raise ConfigError(f"{path}: 'extends' cycle through {' -> '.join(map(str, seen))}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from err
+    merged: dict[str, dict[str, Any]] = {}
+    base = raw.pop("extends", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: extends = {base!r} should be a path string")
+        merged = _read_toml((path.parent / base).resolve(), seen + (path,))
+    sections = _sections()
+    for name, table in raw.items():
+        if name not in sections:
+            raise ConfigError(
+                f"{path}: unknown section [{name}]; known sections: {sorted(sections)}"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: '{name}' must be a [{name}] table, not a value")
+        known = _field_types(sections[name])
+        for key, value in table.items():
+            if key not in known:
+                raise ConfigError(
+                    f"{path}: unknown key [{name}] {key}; known keys of [{name}]: {sorted(known)}"
+                )
+            merged.setdefault(name, {})[key] = _coerce(value, known[key], f"{path}: [{name}] {key}")
+    return merged
+
+
+def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """``--section.key value`` (or ``--section.key=value``) pairs, typed against the dataclasses."""
+    overrides: dict[str, dict[str, Any]] = {}
+    sections = _sections()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"command line: expected --section.key value, got {arg!r}")
+        name_key, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ConfigError(f"command line: {arg} needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        section, _, key = name_key.partition(".")
+        if section not in sections:
+            raise ConfigError(f"command line: unknown section in --{name_key}; known: {sorted(sections)}")
+        known = _field_types(sections[section])
+        if key not in known:
+            raise ConfigError(
+                f"command line: unknown key --{name_key}; known keys of [{section}]: {sorted(known)}"
+            )
+        overrides.setdefault(section, {})[key] = _coerce(value, known[key], f"command line: --{name_key}")
+    return overrides
+
+
+def load_config(config_file: str | None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults <- the TOML file (and its bases) <- command-line overrides; validated types."""
+    values: dict[str, dict[str, Any]] = {}
+    if config_file is not None:
+        values = _read_toml(Path(config_file).resolve())
+    for section, table in _parse_overrides(overrides or []).items():
+        values.setdefault(section, {}).update(table)
+    sections = _sections()
+    config = JobConfig(
+        **{name: sections[name](**values.get(name, {})) for name in sections},
+        config_file=config_file,
+    )
+    return config
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """``--config FILE.toml`` followed by any ``--section.key value`` overrides."""
+    config_file = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("command line: --config needs a path to a .toml job file")
+            config_file, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            config_file, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return load_config(config_file, rest)
+
+
+def _check_positive(config: JobConfig, fail) -> None:
+    for section, key, minimum in (
+        ("training", "steps", 1),
+        ("training", "seq_len", 1),
+        ("training", "local_batch_size", 1),
+        ("training", "gradient_accumulation_steps", 1),
+        ("parallelism", "context_parallel_degree", 1),
+        ("lr_scheduler", "warmup_steps", 0),
+        ("checkpoint", "interval", 1),
+        ("checkpoint", "keep_latest_k", 0),
+        ("metrics", "log_freq", 1),
+    ):
+        value = getattr(getattr(config, section), key)
+        if value < minimum:
+            fail(f"[{section}] {key} = {value} must be >= {minimum}")
+    if config.optimizer.lr <= 0 or config.training.max_norm < 0:
+        fail("[optimizer] lr must be > 0 and [training] max_norm >= 0 (0 disables clipping)")
+    if not 0 <= config.lr_scheduler.min_lr_factor <= 1:
+        fail(f"[lr_scheduler] min_lr_factor = {config.lr_scheduler.min_lr_factor} must be in [0, 1]")
+
+
+def check_job(config: JobConfig, world_size: int) -> int:
+    """Reject impossible combinations before any heavy work; returns the dp_shard degree."""
+    from .models import FLAVORS
+    from .parallel.head_schedule import make_head_schedule
+
+    source = config.config_file or "command line"
+
+    def fail(reason: str) -> None:
+        raise ConfigError(f"{source}: {reason}")
+
+    _check_positive(config, fail)
+    parallelism, training = config.parallelism, config.training
+    cp = parallelism.context_parallel_degree
+    if world_size % cp:
+        fail(
+            f"[parallelism] context_parallel_degree = {cp} does not divide the {world_size} "
+            f"launched processes; launch a multiple of {cp} or change the degree"
+        )
+    dp = parallelism.data_parallel_shard_degree
+    if dp == -1:
+        dp = world_size // cp
+    if dp * cp != world_size:
+        fail(
+            f"[parallelism] data_parallel_shard_degree {dp} x context_parallel_degree {cp} = "
+            f"{dp * cp} != {world_size} launched processes; set data_parallel_shard_degree = "
+            f"{world_size // cp} (or -1)"
+        )
+    if training.seq_len % cp:
+        fail(
+            f"[training] seq_len = {training.seq_len} is not divisible by context_parallel_degree "
+            f"= {cp}; use a multiple of {cp}, e.g. {training.seq_len // cp * cp or cp}"
+        )
+    if config.model.name != "llama3":
+        fail(f"[model] name = {config.model.name!r}: only 'llama3' is supported")
+    if config.model.flavor not in FLAVORS:
+        fail(f"[model] flavor = {config.model.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
+    args = FLAVORS[config.model.flavor]
+    if parallelism.cp_style == "ulysses" and parallelism.heads_per_stage:
+        fail("[parallelism] heads_per_stage applies to cp_style = 'upipe' only; remove it for 'ulysses'")
+    heads_per_stage = (
+        args.n_heads if parallelism.cp_style == "ulysses" else parallelism.heads_per_stage or cp
+    )
+    try:
+        make_head_schedule(args.n_heads, args.n_kv_heads or args.n_heads, cp, heads_per_stage)
+    except ValueError as err:
+        fail(f"[parallelism] with flavor {config.model.flavor!r}: {err}")
+    if training.dataset == "local" and not os.path.exists(training.dataset_path):
+        fail(
+            f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
+            f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name"
+        )
+    if not os.path.exists(config.model.tokenizer_path):
+        fail(
+            f"[model] tokenizer_path = {config.model.tokenizer_path!r} does not exist; point it at "
+            f"a folder with a Hugging Face tokenizer.json"
+        )
+    return dp
