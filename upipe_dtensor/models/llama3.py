@@ -1,0 +1,142 @@
+"""torchtitan's Llama3, with an explicit ``head_dim`` so the paper's 32B shape can be built.
+
+torchtitan 0.2.2 derives head_dim as dim // n_heads; the UPipe paper's 32B model (a Qwen3-32B
+shape on the Llama3 architecture) has dim 5120 but 64 heads of 128 (64 * 128 != 5120). ``Llama3``
+subclasses torchtitan's ``Transformer`` and only resizes the attention projections and the RoPE
+table when head_dim differs; everything else (blocks, init, forward) is torchtitan's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchtitan.models.llama3 import llama3_args
+from torchtitan.models.llama3.model.args import TransformerModelArgs
+from torchtitan.models.llama3.model.model import Transformer, precompute_freqs_cis
+
+
+@dataclass
+class Llama3Args(TransformerModelArgs):
+    head_dim: int = 0
+    """Per-head size; 0 means dim // n_heads (torchtitan's rule)."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
+FLAVORS: dict[str, Llama3Args] = {
+    # Small enough for a CPU laptop, GQA (2 query heads per KV head) so CP paths are exercised.
+    "debugmodel": Llama3Args(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, rope_theta=500000
+    ),
+    "8B": Llama3Args(
+        **{f.name: getattr(llama3_args["8B"], f.name) for f in dataclasses.fields(TransformerModelArgs)}
+    ),
+    # The UPipe paper's "32B": 64 layers, dim 5120, 64 query / 8 KV heads of 128, FFN 25600.
+    "32B": Llama3Args(
+        dim=5120,
+        n_layers=64,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim_multiplier=1.875,
+        multiple_of=1024,
+        rope_theta=1_000_000,
+        vocab_size=128256,
+    ),
+}
+
+
+class Llama3(Transformer):
+    """torchtitan ``Transformer`` whose attention uses ``args.resolved_head_dim``."""
+
+    def __init__(self, args: Llama3Args) -> None:
+        super().__init__(args)
+        head_dim = args.resolved_head_dim
+        if head_dim != args.dim // args.n_heads:
+            n_kv = args.n_kv_heads or args.n_heads
+            for block in self.layers.values():
+                attention = block.attention
+                attention.head_dim = head_dim
+                attention.wq = nn.Linear(args.dim, args.n_heads * head_dim, bias=False)
+                attention.wk = nn.Linear(args.dim, n_kv * head_dim, bias=False)
+                attention.wv = nn.Linear(args.dim, n_kv * head_dim, bias=False)
+                attention.wo = nn.Linear(args.n_heads * head_dim, args.dim, bias=False)
+
+    def _precompute_freqs_cis(self):
+        args = self.model_args
+        return precompute_freqs_cis(
+            args.resolved_head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_args
+        )
+
+
+def build_llama3(flavor: str, *, seq_len: int, vocab_size: int | None = None) -> Llama3:
+    """The flavor's model for ``seq_len``-token sequences (build under a meta device for 8B+)."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown model flavor {flavor!r}; choose one of {sorted(FLAVORS)}")
+    args = dataclasses.replace(FLAVORS[flavor], max_seq_len=seq_len)
+    if vocab_size is not None:
+        args = dataclasses.replace(args, vocab_size=vocab_size)
+    return Llama3(args)
+
+
+def flops_per_token(model: nn.Module, args: Llama3Args, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per non-embedding parameter plus causal attention.
+
+    Causal attention does half of the 2 * 2 * S * d multiply-adds per head and token of full
+    attention in forward, times 3 for forward + backward.
+    """
+    embedding = sum(p.numel() for p in model.tok_embeddings.parameters())
+    dense = sum(p.numel() for p in model.parameters()) - embedding
+    attention = 6 * args.n_layers * args.n_heads * args.resolved_head_dim * seq_len
+    return 6 * dense + attention
+
+
+def init_sharded_weights(model: Llama3, *, seed: int, device: torch.device) -> None:
+    """Fill ``model``'s (possibly FSDP-sharded) parameters with the values torchtitan's
+    ``init_weights`` gives the unsharded model for ``seed``, whatever the sharding.
+
+    DTensor random init depends on the mesh (on CPU every rank draws its own shard), so a cp=2 run
+    would start from other weights than cp=1. Here each part (embeddings/norm/output, then one
+    block at a time) is materialised whole on ``device`` under its own seed, initialised by
+    torchtitan's code, and only this rank's shard is kept; at most one block exists whole at once.
+    Fake parameters (memory planning, shape tests) have no values to fill: only buffers are built.
+    """
+    if is_fake(next(model.parameters())):
+        model.freqs_cis = model._precompute_freqs_cis().to(device)
+        return
+    with torch.device("meta"):
+        twin = Llama3(model.model_args)
+    blocks = twin.layers
+    twin.layers = nn.ModuleDict()  # the top-level part: embeddings, final norm, output
+    parts: list[tuple[nn.Module, nn.Module, Callable[[], None]]] = [
+        (model, twin, lambda: twin.init_weights(buffer_device=device))
+    ]
+    parts += [(model.layers[name], block, block.init_weights) for name, block in blocks.items()]
+    for index, (target, source, init) in enumerate(parts):
+        source.to_empty(device=device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed * 1_000_003 + index)
+            with torch.no_grad():
+                init()
+        _copy_shards(target, source)
+        source.to_empty(device="meta")  # free the whole copy before the next part
+    model.freqs_cis = model._precompute_freqs_cis().to(device)
+
+
+@torch.no_grad()
+def _copy_shards(target: nn.Module, source: nn.Module) -> None:
+    """target.param <- this rank's shard of source.param, for every parameter of ``source``."""
+    for name, full in source.named_parameters():
+        param = target.get_parameter(name)
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank slices its own copy, no communication.
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(full)
