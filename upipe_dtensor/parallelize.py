@@ -1,0 +1,90 @@
+"""Apply the parallelisms to a Llama3 model in torchtitan's fixed order: CP style, compile, FSDP2.
+
+The mesh is (dp_shard, cp) with cp innermost (the ranks of one sequence are neighbours, i.e. one
+node's NVLink domain). FSDP2 shards parameters over dp_shard x cp together, as in the UPipe paper:
+the CP ranks hold the same parameters, so sharding over them too divides parameter, gradient and
+optimizer memory by the whole world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from .config import JobConfig
+from .parallel import UlyssesAttention, UPipeAttention
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ParallelMeshes:
+    """The (dp_shard, cp) world mesh and its flattened dp_shard x cp mesh, which FSDP2 uses."""
+
+    world: DeviceMesh
+    fsdp: DeviceMesh
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
+    def dp_shard(self) -> DeviceMesh:
+        return self.world["dp_shard"]
+
+
+def build_meshes(device_type: str, dp_shard: int, cp: int) -> ParallelMeshes:
+    world = init_device_mesh(device_type, (dp_shard, cp), mesh_dim_names=("dp_shard", "cp"))
+    return ParallelMeshes(world=world, fsdp=world["dp_shard", "cp"]._flatten("dp_shard_cp"))
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, config: JobConfig) -> None:
+    parallelism = config.parallelism
+    if parallelism.cp_style == "ulysses":
+        style = UlyssesAttention()
+    else:
+        style = UPipeAttention(heads_per_stage=parallelism.heads_per_stage or None)
+    parallelize_module(model, cp_mesh, {"layers.*.attention": style})
+
+
+def apply_compile(model: nn.Module, config: JobConfig) -> None:
+    """Compile each block in place (keeps parameter names, so checkpoints do not change)."""
+    for block in model.layers.values():
+        block.compile(fullgraph=True, backend=config.compile.backend)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: JobConfig, device: torch.device) -> None:
+    training = config.training
+    if device.type == "cuda":
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=DTYPES[training.mixed_precision_param],
+            reduce_dtype=DTYPES[training.mixed_precision_reduce],
+        )
+    else:  # CPU kernels are not faster in bf16, and float32 keeps CPU runs exact
+        mp_policy = MixedPrecisionPolicy()
+    reshard = config.parallelism.fsdp_reshard_after_forward
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward: keep them.
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard and index < len(blocks) - 1,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+def parallelize_llama(
+    model: nn.Module, meshes: ParallelMeshes, config: JobConfig, device: torch.device
+) -> None:
+    """CP style on every attention, then per-block compile, then FSDP2 over dp_shard x cp."""
+    apply_context_parallel(model, meshes.cp, config)
+    if config.compile.enable:
+        apply_compile(model, config)
+    apply_fsdp(model, meshes.fsdp, config, device)

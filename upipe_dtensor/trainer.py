@@ -1,0 +1,197 @@
+"""The training loop: FSDP2 + UPipe/Ulysses context parallelism (+ compile) on torchtitan's Llama3.
+
+Each context-parallel rank feeds its contiguous 1/C slice of every sequence. The loss is the
+global mean over all tokens of the step on all ranks: each rank backpropagates its shard's token
+sum divided by the global token count (times the FSDP world size, since FSDP2 averages gradients
+over dp_shard x cp), so gradients and the logged loss equal a single-device run on the same batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from .checkpoint import Checkpointer
+from .config import JobConfig, check_job
+from .data import PackedTextLoader, build_tokenizer
+from .metrics import MetricsLogger
+from .models import build_llama3, flops_per_token, init_sharded_weights
+from .parallelize import ParallelMeshes, build_meshes, parallelize_llama
+
+IGNORE_INDEX = -100
+
+
+def lr_lambda(config: JobConfig):
+    """Linear warmup to the peak, then linear or cosine decay to ``min_lr_factor`` at the end."""
+    warmup = config.lr_scheduler.warmup_steps
+    total = config.training.steps
+    decay_type = config.lr_scheduler.decay_type
+    floor = config.lr_scheduler.min_lr_factor
+
+    def factor(step: int) -> float:  # LambdaLR's step counts completed optimizer steps
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        shape = 1 - progress if decay_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+def _device() -> tuple[torch.device, str]:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+class Trainer:
+    """Builds everything from a validated ``JobConfig``; ``train()`` runs the steps."""
+
+    def __init__(self, config: JobConfig, *, meshes: ParallelMeshes | None = None) -> None:
+        """``meshes``: prebuilt by ``build_meshes`` (e.g. before entering a FakeTensorMode, which
+        cannot build a mesh); by default they are built here."""
+        world_size = (
+            dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        )
+        dp = check_job(config, world_size)  # before any process group or allocation
+        tokenizer = build_tokenizer(config.model.tokenizer_path)
+        self.config = config
+        training, parallelism = config.training, config.parallelism
+        cp = parallelism.context_parallel_degree
+
+        self.device, backend = _device()
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        self.meshes = meshes or build_meshes(self.device.type, dp, cp)
+        self.cp_rank, self.cp = self.meshes.cp.get_local_rank(), cp
+        self.world_size = world_size
+
+        with torch.device("meta"):
+            self.model = build_llama3(config.model.flavor, seq_len=training.seq_len)
+        if tokenizer.vocab_size > self.model.model_args.vocab_size:
+            raise ValueError(
+                f"tokenizer at {config.model.tokenizer_path} has {tokenizer.vocab_size} tokens, more "
+                f"than flavor {config.model.flavor!r}'s vocab_size {self.model.model_args.vocab_size}"
+            )
+        self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
+        parallelize_llama(self.model, self.meshes, config, self.device)
+        self.model.to_empty(device=self.device)
+        init_sharded_weights(self.model, seed=training.seed, device=self.device)
+
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.dataloader = PackedTextLoader(
+            dataset=training.dataset,
+            dataset_path=training.dataset_path,
+            text_field=training.dataset_text_field,
+            tokenizer=tokenizer,
+            seq_len=training.seq_len,
+            batch_size=training.local_batch_size,
+            dp_rank=self.meshes.dp_shard.get_local_rank(),
+            dp_world_size=dp,
+        )
+        dump = config.job.dump_folder
+        self.checkpointer = (
+            Checkpointer(
+                os.path.join(dump, config.checkpoint.folder),
+                interval=config.checkpoint.interval,
+                keep_latest_k=config.checkpoint.keep_latest_k,
+                model=self.model,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                dataloader=self.dataloader,
+                dp_rank=self.meshes.dp_shard.get_local_rank(),
+            )
+            if config.checkpoint.enable
+            else None
+        )
+        self.metrics = MetricsLogger(
+            log_dir=os.path.join(dump, config.metrics.save_tb_folder)
+            if config.metrics.enable_tensorboard
+            else None,
+            log_freq=config.metrics.log_freq,
+            device=self.device,
+            flops_per_token=self.flops_per_token,
+            world_size=world_size,
+            enabled=dist.get_rank() == 0,
+        )
+
+    def _shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This CP rank's contiguous slice of the sequence dimension."""
+        local = batch.shape[1] // self.cp
+        return batch[:, self.cp_rank * local : (self.cp_rank + 1) * local].to(self.device)
+
+    def train_step(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the micro-batches; returns (global mean loss, grad norm)."""
+        shards = [(self._shard(inputs), self._shard(labels)) for inputs, labels in microbatches]
+        tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in shards)
+        dist.all_reduce(tokens)  # every token of the step on every rank
+        loss_sum = torch.zeros((), device=self.device)
+        for index, (inputs, labels) in enumerate(shards):
+            self.model.set_requires_gradient_sync(index == len(shards) - 1)
+            logits = self.model(inputs)
+            shard_sum = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            (shard_sum * self.world_size / tokens).backward()
+            loss_sum += shard_sum.detach()
+        max_norm = self.config.training.max_norm
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        return loss_sum / tokens, grad_norm
+
+    def train(self) -> list[float]:
+        """Run to ``training.steps`` (resuming from the latest snapshot); returns the losses."""
+        training = self.config.training
+        start = self.checkpointer.load(self.config.checkpoint.load_step) if self.checkpointer else 0
+        if dist.get_rank() == 0:
+            print(
+                f"{self.config.job.description}: {self.config.model.flavor}, seq_len "
+                f"{training.seq_len}, cp {self.cp} ({self.config.parallelism.cp_style}), "
+                f"world {self.world_size}, device {self.device.type}, from step {start}",
+                flush=True,
+            )
+        batches = iter(self.dataloader)
+        tokens_per_step = (
+            training.seq_len * training.local_batch_size * training.gradient_accumulation_steps
+            * (self.world_size // self.cp)
+        )
+        losses = []
+        for step in range(start + 1, training.steps + 1):
+            began = time.perf_counter()
+            microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
+            loss, grad_norm = (t.item() for t in self.train_step(microbatches))
+            losses.append(loss)
+            self.metrics.log(
+                step,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=self.lr_scheduler.get_last_lr()[0],
+                tokens=tokens_per_step,
+                seconds=time.perf_counter() - began,
+            )
+            if self.checkpointer is not None:
+                self.checkpointer.maybe_save(step, last=step == training.steps)
+        self.metrics.close()
+        return losses
