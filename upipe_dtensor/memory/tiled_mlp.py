@@ -1,0 +1,195 @@
+"""Sequence-tiled SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` over tiles of tokens.
+
+At multi-million-token contexts the MLP's hidden activations, tokens x F with F ~3.5x the model
+width D, are the largest tensors of a layer, and plain autograd keeps four of them for backward
+(``w1 x`` for silu, ``silu(w1 x)`` and ``w3 x`` for the product, the product for ``w2``). Here
+the N local tokens (all leading dimensions flattened) run in tiles of T, and backward recomputes
+each tile's hidden state from the saved input instead.
+
+Memory bound (bytes b per element):
+  saved    : x (N*D*b) and references to the weights; no hidden activation.
+  forward  : the output buffer (N*D*b) + one tile's hidden state, at most 2 T*F tensors at once.
+  backward : dx (N*D*b), float32 accumulators for dw1, dw2, dw3 (3*F*D*4, independent of N)
+             + one tile's recomputed hidden state and its gradients, at most ~5 T*F tensors.
+With T = D (the default of ``apply_tiled_mlp``) the per-tile terms are the size of a weight, so
+the MLP's activation memory grows as N*D instead of N*F.
+
+The loops are a ``torch.library.custom_op`` pair, so ``torch.compile(fullgraph=True)`` sees one
+opaque node per direction and cannot fuse the tiles back into whole-sequence tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchtitan.models.llama3.model.model import FeedForward
+
+
+def _tiles(n_tokens: int, tile_tokens: int) -> range:
+    return range(0, n_tokens, tile_tokens)
+
+
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b with acc in float32. Low-precision tiles are multiplied in their own dtype
+    (the GEMM accumulates in float32 inside) and only the per-tile partial is rounded."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
+
+
+def tiled_swiglu_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int) -> Tensor:
+    """The forward tile loop; each output tile is written straight into one buffer."""
+    x_flat = x.reshape(-1, x.shape[-1])
+    out = x.new_empty(x_flat.shape[0], w2.shape[0])
+    for start in _tiles(x_flat.shape[0], tile_tokens):
+        x_t = x_flat[start : start + tile_tokens]
+        h = F.silu(x_t @ w1.t())
+        h.mul_(x_t @ w3.t())
+        torch.mm(h, w2.t(), out=out[start : start + tile_tokens])
+        del h
+    return out.view(*x.shape[:-1], w2.shape[0])
+
+
+def tiled_swiglu_backward(
+    grad_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Recompute each tile's hidden state and backpropagate it; returns (dx, dw1, dw2, dw3)."""
+    x_flat = x.reshape(-1, x.shape[-1])
+    grad_flat = grad_out.reshape(-1, w2.shape[0])
+    grad_x = torch.empty_like(x_flat)
+    grad_w1, grad_w2, grad_w3 = (torch.zeros_like(w, dtype=torch.float32) for w in (w1, w2, w3))
+    for start in _tiles(x_flat.shape[0], tile_tokens):
+        x_t = x_flat[start : start + tile_tokens]
+        g_t = grad_flat[start : start + tile_tokens]
+        a = x_t @ w1.t()
+        b = x_t @ w3.t()
+        s = F.silu(a)
+        _accumulate(grad_w2, g_t.t(), s * b)
+        grad_h = g_t @ w2
+        grad_b = grad_h * s
+        del s
+        grad_a = grad_h.mul_(b)  # d loss / d silu(a), in place
+        del b
+        # silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a))), built in place in a's storage.
+        sig = torch.sigmoid(a)
+        a.mul_(1 - sig).add_(1).mul_(sig)
+        del sig
+        grad_a.mul_(a)
+        del a
+        rows = grad_x[start : start + tile_tokens]
+        torch.mm(grad_a, w1, out=rows)
+        rows.addmm_(grad_b, w3)
+        _accumulate(grad_w1, grad_a.t(), x_t)
+        _accumulate(grad_w3, grad_b.t(), x_t)
+        del grad_a, grad_b
+    return (
+        grad_x.view_as(x),
+        grad_w1.to(w1.dtype),
+        grad_w2.to(w2.dtype),
+        grad_w3.to(w3.dtype),
+    )
+
+
+# --- registration: one opaque op per direction, so torch.compile keeps the tiling -------------
+
+
+@torch.library.custom_op("upipe::tiled_swiglu_fwd", mutates_args=())
+def _tiled_swiglu_fwd(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int) -> Tensor:
+    return tiled_swiglu_forward(x, w1, w2, w3, tile_tokens)
+
+
+@_tiled_swiglu_fwd.register_fake
+def _(x, w1, w2, w3, tile_tokens):
+    return x.new_empty(*x.shape[:-1], w2.shape[0])
+
+
+@torch.library.custom_op("upipe::tiled_swiglu_bwd", mutates_args=())
+def _tiled_swiglu_bwd(
+    grad_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tiled_swiglu_backward(grad_out, x, w1, w2, w3, tile_tokens)
+
+
+@_tiled_swiglu_bwd.register_fake
+def _(grad_out, x, w1, w2, w3, tile_tokens):
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), w3.new_empty(w3.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w1, w2, w3, tile_tokens = inputs
+    ctx.save_for_backward(x, w1, w2, w3)
+    ctx.tile_tokens = tile_tokens
+
+
+def _backward(ctx, grad_out: Tensor):
+    x, w1, w2, w3 = ctx.saved_tensors
+    return (*_tiled_swiglu_bwd(grad_out, x, w1, w2, w3, ctx.tile_tokens), None)
+
+
+_tiled_swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def tiled_swiglu(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int) -> Tensor:
+    """Differentiable ``w2(silu(w1 x) * w3 x)`` computed ``tile_tokens`` tokens at a time.
+
+    ``x`` is (..., D), its leading dimensions flattened to tokens; ``w1``, ``w3`` are (F, D) and
+    ``w2`` is (D, F), as in ``nn.Linear``. Only ``x`` is saved for backward (module docstring).
+    """
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be a positive number of tokens, got {tile_tokens}")
+    return _tiled_swiglu_fwd(x, w1, w2, w3, tile_tokens)
+
+
+def _tiled_feed_forward(module: FeedForward, tile_tokens: int, x: Tensor) -> Tensor:
+    """Drop-in for ``FeedForward.forward``. Weights are read per call, so FSDP2's unsharded
+    parameters (swapped in for the forward) are the ones used."""
+    return tiled_swiglu(
+        x, module.w1.weight, module.w2.weight, module.w3.weight, tile_tokens or x.shape[-1]
+    )
+
+
+def _check_swiglu(module: nn.Module | None, path: str) -> None:
+    is_swiglu = (
+        isinstance(module, FeedForward)
+        and type(module).forward is FeedForward.forward
+        and all(getattr(module, name).bias is None for name in ("w1", "w2", "w3"))
+    )
+    if not is_swiglu:
+        raise ValueError(
+            f"{path} is {type(module).__name__}, not torchtitan's bias-free SwiGLU FeedForward "
+            f"(w2(silu(w1(x)) * w3(x))), the only MLP the tiled MLP computes; set "
+            f"[memory] tiled_mlp = false for this model"
+        )
+
+
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int = 0) -> None:
+    """Run every ``model.layers[*].feed_forward`` over tiles of ``tile_tokens`` tokens.
+
+    ``tile_tokens == 0`` picks the model width D, so the per-tile hidden state is the size of a
+    weight matrix (ceil(tokens / D) tiles, as in DeepSpeed ALST). Apply before ``torch.compile``
+    and ``fully_shard``; applying again replaces the tile size.
+    """
+    if tile_tokens < 0:
+        raise ValueError(
+            f"tile_tokens must be >= 0 (0 = model width), got {tile_tokens}; "
+            f"fix [memory] mlp_tile_tokens"
+        )
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        raise ValueError(
+            f"{type(model).__name__} has no `layers` container of TransformerBlocks; "
+            f"apply_tiled_mlp expects a torchtitan Llama3 Transformer"
+        )
+    blocks = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    modules = []
+    for name, block in blocks:
+        path = f"layers.{name}.feed_forward"
+        module = getattr(block, "feed_forward", None)
+        _check_swiglu(module, path)
+        modules.append(module)
+    for module in modules:
+        module.forward = functools.partial(_tiled_feed_forward, module, tile_tokens)
