@@ -69,6 +69,9 @@ class Training:
     """FSDP2 parameter dtype for compute (CUDA only; CPU always computes in float32)."""
     mixed_precision_reduce: Literal["float32"] = "float32"
     """FSDP2 gradient reduction dtype."""
+    enable_cpu_offload: bool = False
+    """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live in host memory
+    and the optimizer steps there (frees ~12 GiB/GPU for 8B on 8 GPUs; costs host bandwidth)."""
 
 
 @dataclass
@@ -83,6 +86,31 @@ class Parallelism:
     """UPipe's U, query heads per stage across the CP group; 0 means U = C."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full"] = "none"
+    """'full' recomputes each TransformerBlock in backward, keeping only its input."""
+    cpu_offload: bool = False
+    """Keep the checkpointed block inputs in host memory (async pinned copies, prefetched)."""
+    cpu_offload_skip_last: int = 1
+    """The last N blocks keep their inputs on the device: backward needs them first."""
+
+
+@dataclass
+class Memory:
+    tiled_mlp: bool = False
+    """Run each SwiGLU MLP over tiles of tokens, recomputing a tile's hidden state in backward."""
+    mlp_tile_tokens: int = 0
+    """Tokens per MLP tile; 0 means the model width (ceil(tokens / dim) tiles)."""
+    chunked_loss: bool = False
+    """Fuse the output projection and cross-entropy over token chunks: no full logits."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per loss chunk (one chunk of float32 logits, chunk x vocab, is alive at a time)."""
+    expandable_segments: bool = True
+    """CUDA: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, so the per-stage and per-tile
+    buffers of different sizes do not fragment the caching allocator (unless already set)."""
 
 
 @dataclass
@@ -144,6 +172,8 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    memory: Memory = field(default_factory=Memory)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -310,6 +340,9 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("checkpoint", "interval", 1),
         ("checkpoint", "keep_latest_k", 0),
         ("metrics", "log_freq", 1),
+        ("activation_checkpoint", "cpu_offload_skip_last", 0),
+        ("memory", "mlp_tile_tokens", 0),
+        ("memory", "loss_chunk_tokens", 1),
     ):
         value = getattr(getattr(config, section), key)
         if value < minimum:
@@ -357,6 +390,11 @@ def check_job(config: JobConfig, world_size: int) -> int:
     if config.model.flavor not in FLAVORS:
         fail(f"[model] flavor = {config.model.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
     args = FLAVORS[config.model.flavor]
+    if config.activation_checkpoint.cpu_offload and config.activation_checkpoint.mode != "full":
+        fail(
+            "[activation_checkpoint] cpu_offload moves the inputs that full checkpointing keeps; "
+            "set mode = 'full' as well"
+        )
     if parallelism.cp_style == "ulysses" and parallelism.heads_per_stage:
         fail("[parallelism] heads_per_stage applies to cp_style = 'upipe' only; remove it for 'ulysses'")
     heads_per_stage = (

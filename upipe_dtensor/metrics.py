@@ -49,8 +49,19 @@ class MetricsLogger:
             os.makedirs(log_dir, exist_ok=True)
             self.writer = SummaryWriter(log_dir)
 
-    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float) -> None:
-        """``tokens``: all tokens of the step over all ranks; ``seconds``: the step's wall time."""
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens: int,
+        seconds: float,
+        host_offload_bytes: int | None = None,
+    ) -> None:
+        """``tokens``: all tokens of the step over all ranks; ``seconds``: the step's wall time;
+        ``host_offload_bytes``: peak host memory held by activation offload, if it is on."""
         if not self.enabled:
             return
         tokens_per_device = tokens / seconds / self.world_size
@@ -61,6 +72,8 @@ class MetricsLogger:
             "tokens_per_second_per_device": tokens_per_device,
             "memory_peak_gib": peak_memory_bytes(self.device) / 2**30,
         }
+        if host_offload_bytes is not None:
+            scalars["host_offload_gib"] = host_offload_bytes / 2**30
         if self.peak is not None:
             scalars["mfu_percent"] = 100 * self.flops_per_token * tokens_per_device / self.peak
         if self.writer is not None:
@@ -71,7 +84,8 @@ class MetricsLogger:
             print(
                 f"step {step:5d} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
                 f"tok/s/dev {tokens_per_device:,.0f} | mfu {mfu} | "
-                f"mem {scalars['memory_peak_gib']:.2f} GiB",
+                f"mem {scalars['memory_peak_gib']:.2f} GiB"
+                + (f" | host offload {scalars['host_offload_gib']:.2f} GiB" if host_offload_bytes is not None else ""),
                 flush=True,
             )
 

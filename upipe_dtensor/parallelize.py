@@ -1,4 +1,8 @@
-"""Apply the parallelisms to a Llama3 model in torchtitan's fixed order: CP style, compile, FSDP2.
+"""Apply the parallelisms and the memory stack to a Llama3 model in a fixed order:
+CP style -> tiled MLP -> compile (each block) -> activation checkpointing + host offload -> FSDP2.
+
+torchtitan checkpoints before compiling; here compile goes inside the checkpoint wrapper because
+the offload's saved-tensor hooks cannot live inside a fullgraph-compiled region.
 
 The mesh is (dp_shard, cp) with cp innermost (the ranks of one sequence are neighbours, i.e. one
 node's NVLink domain). FSDP2 shards parameters over dp_shard x cp together, as in the UPipe paper:
@@ -8,15 +12,18 @@ optimizer memory by the whole world size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from .config import JobConfig
+from .memory.offload import HostOffload, apply_activation_checkpointing
+from .memory.tiled_mlp import apply_tiled_mlp
 from .parallel import UlyssesAttention, UPipeAttention
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -67,24 +74,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: JobConfig, device: to
         )
     else:  # CPU kernels are not faster in bf16, and float32 keeps CPU runs exact
         mp_policy = MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if training.enable_cpu_offload else None
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     reshard = config.parallelism.fsdp_reshard_after_forward
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: keep them.
-        fully_shard(
-            block,
-            mesh=mesh,
-            mp_policy=mp_policy,
-            reshard_after_forward=reshard and index < len(blocks) - 1,
-        )
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        shard(block, reshard_after_forward=reshard and index < len(blocks) - 1)
+    shard(model, reshard_after_forward=False)
 
 
 def parallelize_llama(
     model: nn.Module, meshes: ParallelMeshes, config: JobConfig, device: torch.device
-) -> None:
-    """CP style on every attention, then per-block compile, then FSDP2 over dp_shard x cp."""
+) -> HostOffload | None:
+    """Apply everything the config asks for; returns the host offload (for its memory report)."""
     apply_context_parallel(model, meshes.cp, config)
+    if config.memory.tiled_mlp:
+        apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
+    if config.memory.chunked_loss:
+        model.loss_chunk_tokens = config.memory.loss_chunk_tokens
     if config.compile.enable:
         apply_compile(model, config)
+    ac = config.activation_checkpoint
+    offload = HostOffload(device) if ac.cpu_offload else None
+    if ac.mode == "full":
+        apply_activation_checkpointing(model, offload=offload, offload_skip_last=ac.cpu_offload_skip_last)
     apply_fsdp(model, meshes.fsdp, config, device)
+    return offload

@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from .checkpoint import Checkpointer
@@ -22,9 +21,9 @@ from .config import JobConfig, check_job
 from .data import PackedTextLoader, build_tokenizer
 from .metrics import MetricsLogger
 from .models import build_llama3, flops_per_token, init_sharded_weights
+from .models.llama3 import IGNORE_INDEX
 from .parallelize import ParallelMeshes, build_meshes, parallelize_llama
 
-IGNORE_INDEX = -100
 
 
 def lr_lambda(config: JobConfig):
@@ -67,6 +66,9 @@ class Trainer:
         training, parallelism = config.training, config.parallelism
         cp = parallelism.context_parallel_degree
 
+        if config.memory.expandable_segments:
+            # Before the first CUDA allocation; a user's own setting wins.
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.device, backend = _device()
         if not dist.is_initialized():
             dist.init_process_group(backend)
@@ -82,7 +84,7 @@ class Trainer:
                 f"than flavor {config.model.flavor!r}'s vocab_size {self.model.model_args.vocab_size}"
             )
         self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
-        parallelize_llama(self.model, self.meshes, config, self.device)
+        self.host_offload = parallelize_llama(self.model, self.meshes, config, self.device)
         self.model.to_empty(device=self.device)
         init_sharded_weights(self.model, seed=training.seed, device=self.device)
 
@@ -132,7 +134,7 @@ class Trainer:
             enabled=dist.get_rank() == 0,
         )
 
-    def _shard(self, batch: torch.Tensor) -> torch.Tensor:
+    def shard_sequence(self, batch: torch.Tensor) -> torch.Tensor:
         """This CP rank's contiguous slice of the sequence dimension."""
         local = batch.shape[1] // self.cp
         return batch[:, self.cp_rank * local : (self.cp_rank + 1) * local].to(self.device)
@@ -141,16 +143,13 @@ class Trainer:
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global mean loss, grad norm)."""
-        shards = [(self._shard(inputs), self._shard(labels)) for inputs, labels in microbatches]
+        shards = [(self.shard_sequence(inputs), self.shard_sequence(labels)) for inputs, labels in microbatches]
         tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in shards)
         dist.all_reduce(tokens)  # every token of the step on every rank
         loss_sum = torch.zeros((), device=self.device)
         for index, (inputs, labels) in enumerate(shards):
             self.model.set_requires_gradient_sync(index == len(shards) - 1)
-            logits = self.model(inputs)
-            shard_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+            shard_sum = self.model(inputs, labels=labels)
             (shard_sum * self.world_size / tokens).backward()
             loss_sum += shard_sum.detach()
         max_norm = self.config.training.max_norm
@@ -190,6 +189,7 @@ class Trainer:
                 lr=self.lr_scheduler.get_last_lr()[0],
                 tokens=tokens_per_step,
                 seconds=time.perf_counter() - began,
+                host_offload_bytes=self.host_offload.peak_host_bytes if self.host_offload else None,
             )
             if self.checkpointer is not None:
                 self.checkpointer.maybe_save(step, last=step == training.steps)

@@ -13,12 +13,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer, precompute_freqs_cis
+
+from ..memory.chunked_loss import chunked_cross_entropy_sum
+
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -69,6 +75,37 @@ class Llama3(Transformer):
                 attention.wk = nn.Linear(args.dim, n_kv * head_dim, bias=False)
                 attention.wv = nn.Linear(args.dim, n_kv * head_dim, bias=False)
                 attention.wo = nn.Linear(args.n_heads * head_dim, args.dim, bias=False)
+
+    loss_chunk_tokens: int = 0
+    """When > 0, ``forward(tokens, labels=...)`` fuses the output layer and cross-entropy over
+    chunks of this many tokens (set by the parallelize step from ``[memory] chunked_loss``)."""
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attention_masks=None,
+        positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits, as torchtitan's; or, given ``labels``, the summed cross-entropy of the tokens.
+
+        The loss path runs inside the model's forward so the output weight is the gathered one
+        under FSDP2; with ``loss_chunk_tokens`` it never materialises the (tokens, vocab) logits.
+        """
+        if labels is None:
+            return super().forward(tokens, attention_masks, positions)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
+        h = self.norm(h)
+        if self.loss_chunk_tokens:
+            return chunked_cross_entropy_sum(
+                h, self.output.weight, labels, chunk_tokens=self.loss_chunk_tokens, ignore_index=IGNORE_INDEX
+            )
+        logits = self.output(h)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
     def _precompute_freqs_cis(self):
         args = self.model_args
@@ -134,8 +171,10 @@ def init_sharded_weights(model: Llama3, *, seed: int, device: torch.device) -> N
 @torch.no_grad()
 def _copy_shards(target: nn.Module, source: nn.Module) -> None:
     """target.param <- this rank's shard of source.param, for every parameter of ``source``."""
+    # Checkpoint wrappers nest the block one level down; state dicts hide that, so do we.
+    params = {name.replace(f"{_CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()}
     for name, full in source.named_parameters():
-        param = target.get_parameter(name)
+        param = params[name]
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank slices its own copy, no communication.
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
