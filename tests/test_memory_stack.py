@@ -18,6 +18,7 @@ SWITCHES = {
     "checkpoint+host_offload": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
                                 "--activation_checkpoint.cpu_offload_skip_last", "1"],
     "tiled_mlp": ["--memory.tiled_mlp", "true", "--memory.mlp_tile_tokens", "5"],
+    "tiled_rms_norm": ["--memory.tiled_rms_norm", "true", "--memory.norm_tile_tokens", "6"],
     "chunked_loss": ["--memory.chunked_loss", "true", "--memory.loss_chunk_tokens", "7"],
     "fsdp_cpu_offload": ["--training.enable_cpu_offload", "true"],
 }

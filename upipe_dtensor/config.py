@@ -104,6 +104,10 @@ class Memory:
     """Run each SwiGLU MLP over tiles of tokens, recomputing a tile's hidden state in backward."""
     mlp_tile_tokens: int = 0
     """Tokens per MLP tile; 0 means the model width (ceil(tokens / dim) tiles)."""
+    tiled_rms_norm: bool = False
+    """Run every RMSNorm over tiles of tokens: no full-size float32 intermediates are kept."""
+    norm_tile_tokens: int = 0
+    """Tokens per RMSNorm tile; 0 means the model width."""
     chunked_loss: bool = False
     """Fuse the output projection and cross-entropy over token chunks: no full logits."""
     loss_chunk_tokens: int = 4096
@@ -342,6 +346,7 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("metrics", "log_freq", 1),
         ("activation_checkpoint", "cpu_offload_skip_last", 0),
         ("memory", "mlp_tile_tokens", 0),
+        ("memory", "norm_tile_tokens", 0),
         ("memory", "loss_chunk_tokens", 1),
     ):
         value = getattr(getattr(config, section), key)

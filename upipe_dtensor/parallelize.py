@@ -1,5 +1,5 @@
 """Apply the parallelisms and the memory stack to a Llama3 model in a fixed order:
-CP style -> tiled MLP -> compile (each block) -> activation checkpointing + host offload -> FSDP2.
+CP style -> tiled MLP and RMSNorm -> compile (each block) -> activation checkpointing + host offload -> FSDP2.
 
 torchtitan checkpoints before compiling; here compile goes inside the checkpoint wrapper because
 the offload's saved-tensor hooks cannot live inside a fullgraph-compiled region.
@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from .config import JobConfig
 from .memory.offload import HostOffload, apply_activation_checkpointing
+from .memory.rms_norm import apply_tiled_rms_norm
 from .memory.tiled_mlp import apply_tiled_mlp
 from .parallel import UlyssesAttention, UPipeAttention
 
@@ -65,9 +66,11 @@ def apply_compile(model: nn.Module, config: JobConfig) -> None:
         block.compile(fullgraph=True, backend=config.compile.backend)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: JobConfig, device: torch.device) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, config: JobConfig, device: torch.device, mixed_precision: bool
+) -> None:
     training = config.training
-    if device.type == "cuda":
+    if mixed_precision:
         mp_policy = MixedPrecisionPolicy(
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
@@ -85,19 +88,32 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: JobConfig, device: to
 
 
 def parallelize_llama(
-    model: nn.Module, meshes: ParallelMeshes, config: JobConfig, device: torch.device
+    model: nn.Module,
+    meshes: ParallelMeshes,
+    config: JobConfig,
+    device: torch.device,
+    host_device: torch.device = torch.device("cpu"),
+    mixed_precision: bool | None = None,
 ) -> HostOffload | None:
-    """Apply everything the config asks for; returns the host offload (for its memory report)."""
+    """Apply everything the config asks for; returns the host offload (for its memory report).
+
+    ``mixed_precision`` (default: on CUDA only) applies [training] mixed_precision_param/reduce;
+    the planner turns it on to model a GPU run with CPU stand-in tensors.
+    """
     apply_context_parallel(model, meshes.cp, config)
     if config.memory.tiled_mlp:
         apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
+    if config.memory.tiled_rms_norm:
+        apply_tiled_rms_norm(model, config.memory.norm_tile_tokens)
     if config.memory.chunked_loss:
         model.loss_chunk_tokens = config.memory.loss_chunk_tokens
     if config.compile.enable:
         apply_compile(model, config)
     ac = config.activation_checkpoint
-    offload = HostOffload(device) if ac.cpu_offload else None
+    offload = HostOffload(device, host_device) if ac.cpu_offload else None
     if ac.mode == "full":
         apply_activation_checkpointing(model, offload=offload, offload_skip_last=ac.cpu_offload_skip_last)
-    apply_fsdp(model, meshes.fsdp, config, device)
+    if mixed_precision is None:
+        mixed_precision = device.type == "cuda"
+    apply_fsdp(model, meshes.fsdp, config, device, mixed_precision)
     return offload

@@ -54,9 +54,19 @@ def _device() -> tuple[torch.device, str]:
 class Trainer:
     """Builds everything from a validated ``JobConfig``; ``train()`` runs the steps."""
 
-    def __init__(self, config: JobConfig, *, meshes: ParallelMeshes | None = None) -> None:
-        """``meshes``: prebuilt by ``build_meshes`` (e.g. before entering a FakeTensorMode, which
-        cannot build a mesh); by default they are built here."""
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        meshes: ParallelMeshes | None = None,
+        device: torch.device | None = None,
+        host_device: torch.device = torch.device("cpu"),
+        mixed_precision: bool | None = None,
+    ) -> None:
+        """By default the trainer picks its device (CUDA if present) and builds its meshes. The
+        memory planner passes its own: meshes built before entering a FakeTensorMode (which cannot
+        build one), a device, a stand-in ``host_device`` for offloaded activations, and
+        ``mixed_precision=True`` to model a GPU run (default: mixed precision on CUDA only)."""
         world_size = (
             dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
         )
@@ -69,9 +79,11 @@ class Trainer:
         if config.memory.expandable_segments:
             # Before the first CUDA allocation; a user's own setting wins.
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        self.device, backend = _device()
-        if not dist.is_initialized():
-            dist.init_process_group(backend)
+        if device is None:
+            device, backend = _device()
+            if not dist.is_initialized():
+                dist.init_process_group(backend)
+        self.device = device
         self.meshes = meshes or build_meshes(self.device.type, dp, cp)
         self.cp_rank, self.cp = self.meshes.cp.get_local_rank(), cp
         self.world_size = world_size
@@ -84,7 +96,9 @@ class Trainer:
                 f"than flavor {config.model.flavor!r}'s vocab_size {self.model.model_args.vocab_size}"
             )
         self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
-        self.host_offload = parallelize_llama(self.model, self.meshes, config, self.device)
+        self.host_offload = parallelize_llama(
+            self.model, self.meshes, config, self.device, host_device, mixed_precision
+        )
         self.model.to_empty(device=self.device)
         init_sharded_weights(self.model, seed=training.seed, device=self.device)
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.op_mode import OpSpec, call
+
 
 def _loss_and_grads(
     h: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int
@@ -93,6 +95,7 @@ def _backward(ctx, grad_loss: Tensor, _grad_h: Tensor | None, _grad_weight: Tens
 
 
 _chunked_ce_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FORWARD = OpSpec(_chunked_ce_fwd, _loss_and_grads, _setup_context, _backward)
 
 
 def chunked_cross_entropy_sum(
@@ -114,5 +117,5 @@ def chunked_cross_entropy_sum(
         raise ValueError(
             f"labels shape {tuple(labels.shape)} must equal h's leading dims {tuple(h.shape[:-1])}"
         )
-    loss, _, _ = _chunked_ce_fwd(h, weight, labels, chunk_tokens, ignore_index)
+    loss, _, _ = call(_FORWARD, h, weight, labels, chunk_tokens, ignore_index)
     return loss

@@ -44,6 +44,8 @@ class HostOffload:
     """
 
     device: torch.device
+    host_device: torch.device = torch.device("cpu")
+    """Where parked tensors live; the memory planner passes a stand-in it counts as host."""
     host_bytes: int = 0
     peak_host_bytes: int = 0
     _in_flight: list[_Offloaded] = field(default_factory=list)
@@ -60,7 +62,7 @@ class HostOffload:
         if free:
             return free.pop()
         pinned = self.device.type == "cuda"
-        buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
+        buffer = torch.empty(like.shape, dtype=like.dtype, device=self.host_device, pin_memory=pinned)
         self.host_bytes += buffer.nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         return buffer
@@ -87,8 +89,8 @@ class HostOffload:
         """Start (CUDA: asynchronously) the copy of ``handle`` back to the device."""
         if handle.on_device is not None:
             return
-        if self._to_device is None:
-            handle.on_device = handle.host.to(handle.device)
+        if self._to_device is None:  # a real copy even on CPU: the host buffer is reused
+            handle.on_device = handle.host.to(handle.device, copy=True)
             return
         with torch.cuda.stream(self._to_device):
             self._to_device.wait_event(handle.copied_to_host)
@@ -102,7 +104,7 @@ class HostOffload:
         self._fetch(handle)
         if handle.index > 0:  # backward runs blocks in reverse: the previous one is next
             self._fetch(self._in_flight[handle.index - 1])
-        tensor = handle.on_device
+        tensor, handle.on_device = handle.on_device, None  # autograd owns it from here on
         if handle.copied_to_device is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(handle.copied_to_device)

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchtitan.models.llama3.model.model import FeedForward
 
+from ..kernels.op_mode import OpSpec, call
+
 
 def _tiles(n_tokens: int, tile_tokens: int) -> range:
     return range(0, n_tokens, tile_tokens)
@@ -127,10 +129,12 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: Tensor):
     x, w1, w2, w3 = ctx.saved_tensors
-    return (*_tiled_swiglu_bwd(grad_out, x, w1, w2, w3, ctx.tile_tokens), None)
+    return (*call(_BACKWARD, grad_out, x, w1, w2, w3, ctx.tile_tokens), None)
 
 
 _tiled_swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FORWARD = OpSpec(_tiled_swiglu_fwd, tiled_swiglu_forward, _setup_context, _backward)
+_BACKWARD = OpSpec(_tiled_swiglu_bwd, tiled_swiglu_backward)
 
 
 def tiled_swiglu(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int) -> Tensor:
@@ -141,7 +145,7 @@ def tiled_swiglu(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int
     """
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be a positive number of tokens, got {tile_tokens}")
-    return _tiled_swiglu_fwd(x, w1, w2, w3, tile_tokens)
+    return call(_FORWARD, x, w1, w2, w3, tile_tokens)
 
 
 def _tiled_feed_forward(module: FeedForward, tile_tokens: int, x: Tensor) -> Tensor:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..kernels.attention import attention_backward, attention_forward, resolve_backend
+from ..kernels.op_mode import OpSpec, call
 from ..kernels.rope import apply_rope, apply_rope_transpose
 from .all_to_all import heads_to_sequence, sequence_to_heads, _group
 from .head_schedule import HeadSchedule, Stage, make_head_schedule
@@ -334,13 +335,15 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
     x, wq, wk, wv, rope, out, lse = ctx.saved_tensors
-    grad_x, grad_wq, grad_wk, grad_wv = _attention_bwd(
-        grad_out, x, wq, wk, wv, rope, out, lse, *ctx.constants
+    grad_x, grad_wq, grad_wk, grad_wv = call(
+        _BACKWARD, grad_out, x, wq, wk, wv, rope, out, lse, *ctx.constants
     )
     return (grad_x, grad_wq, grad_wk, grad_wv) + (None,) * (1 + len(_CONSTANTS))
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FORWARD = OpSpec(_attention_fwd, upipe_forward, _setup_context, _backward)
+_BACKWARD = OpSpec(_attention_bwd, upipe_backward)
 
 
 def upipe_attention(
@@ -362,8 +365,8 @@ def upipe_attention(
     ``rope`` is the real RoPE table at this shard's global positions, (S/C, d/2, 2) or
     (B, S/C, d/2, 2), from ``kernels.rope.rope_table``.
     """
-    out, _ = _attention_fwd(
-        x, wq, wk, wv, rope, group_name, cp_size, head_dim, heads_per_stage,
+    out, _ = call(
+        _FORWARD, x, wq, wk, wv, rope, group_name, cp_size, head_dim, heads_per_stage,
         head_dim**-0.5 if scale is None else scale, backend,
     )
     return out

@@ -1,0 +1,60 @@
+"""Run the project's custom ops opaquely (training, compile) or transparently (memory tracking).
+
+The memory-bounded loops (UPipe stages, MLP tiles, loss chunks) are ``torch.library`` custom ops so
+that ``torch.compile`` cannot reorder them; the price is that a ``TorchDispatchMode`` sees only an
+op's outputs, not the per-stage buffers inside it. Inside ``transparent_ops()`` the same Python
+bodies run through a plain autograd Function instead, so every allocation they make reaches the
+dispatch modes (the memory planner's tracker, FakeTensorMode). Numbers are identical either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+_transparent = False
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """A custom op, the Python body it runs, and (for forward ops) its autograd pieces."""
+
+    op: Callable[..., Any]
+    body: Callable[..., Any]
+    setup_context: Callable[..., None] | None = None
+    backward: Callable[..., Any] | None = None
+
+
+@contextlib.contextmanager
+def transparent_ops() -> Iterator[None]:
+    global _transparent
+    previous, _transparent = _transparent, True
+    try:
+        yield
+    finally:
+        _transparent = previous
+
+
+class _Transparent(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec: OpSpec, *inputs):
+        output = spec.body(*inputs)
+        spec.setup_context(ctx, inputs, output)
+        ctx.spec = spec
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.spec.backward(ctx, *grads))
+
+
+def call(spec: OpSpec, *args):
+    """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd)."""
+    if not _transparent:
+        return spec.op(*args)
+    if spec.backward is None:  # a backward op: already running inside autograd's backward
+        return spec.body(*args)
+    return _Transparent.apply(spec, *args)

@@ -1,0 +1,126 @@
+"""Sequence-tiled RMSNorm: the norm without full-size float32 intermediates.
+
+``torch.rms_norm`` on bf16 activations upcasts to float32 and autograd keeps float32 tensors of
+the input's size (the upcast input, ``x * rstd``) plus more in backward; at 655K tokens per GPU
+and dim 4096 each is 10 GiB, and a block has two norms. Here the norm runs over tiles of tokens:
+
+    rstd = rsqrt(mean(x.float()**2) + eps)          (N, 1) float32, saved
+    y    = x.float() * rstd * weight.float()         cast once, written tile by tile into one output
+
+Saved for backward: x (the block's own tensor, alive anyway) and rstd (4 bytes per token). Float32
+temporaries exist for one tile at a time, in forward and backward. All arithmetic is float32 with
+one rounding to the activation dtype at the end, as in ``torch.rms_norm``'s fused kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels.op_mode import OpSpec, call
+
+
+def _tiles(n_tokens: int, tile_tokens: int) -> range:
+    return range(0, n_tokens, tile_tokens)
+
+
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> tuple[Tensor, Tensor]:
+    """(y, rstd): the normalised ``x`` (same shape and dtype) and its float32 (N, 1) rstd."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.empty_like(flat)
+    rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+    for start in _tiles(flat.shape[0], tile_tokens):
+        tile = flat[start : start + tile_tokens].float()
+        torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps, out=rstd[start : start + tile_tokens])
+        out[start : start + tile_tokens] = tile * rstd[start : start + tile_tokens] * weight.float()
+    return out.view_as(x), rstd
+
+
+def rms_norm_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, tile_tokens: int
+) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) from the saved input and rstd, one tile of float32 work at a time."""
+    flat = x.reshape(-1, x.shape[-1])
+    grad_flat = grad_out.reshape(-1, x.shape[-1])
+    grad_x = torch.empty_like(flat)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for start in _tiles(flat.shape[0], tile_tokens):
+        tile = flat[start : start + tile_tokens].float()
+        r = rstd[start : start + tile_tokens]
+        grad = grad_flat[start : start + tile_tokens]
+        grad = grad.float()
+        grad_weight += (grad * (tile * r)).sum(0)
+        grad_normed = grad * weight.float()
+        # d/dx of x * r with r = (mean(x^2) + eps)^-1/2:  r * g - x * r^3 * mean(g * x)
+        mean_gx = (grad_normed * tile).mean(-1, keepdim=True)
+        grad_x[start : start + tile_tokens] = (r * grad_normed - tile * r.pow(3) * mean_gx).to(x.dtype)
+    return grad_x.view_as(x), grad_weight.to(weight.dtype)
+
+
+@torch.library.custom_op("upipe::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> tuple[Tensor, Tensor]:
+    return rms_norm_forward(x, weight, eps, tile_tokens)
+
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, eps, tile_tokens):
+    tokens = x.numel() // x.shape[-1]
+    return torch.empty_like(x), x.new_empty(tokens, 1, dtype=torch.float32)
+
+
+@torch.library.custom_op("upipe::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(
+    grad_out: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, tile_tokens: int
+) -> tuple[Tensor, Tensor]:
+    return rms_norm_backward(grad_out, x, weight, rstd, tile_tokens)
+
+
+@_rms_norm_bwd.register_fake
+def _(grad_out, x, weight, rstd, tile_tokens):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, _, tile_tokens = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.tile_tokens = tile_tokens
+
+
+def _backward(ctx, grad_out: Tensor, _grad_rstd: Tensor | None):
+    x, weight, rstd = ctx.saved_tensors
+    return (*call(_BACKWARD, grad_out, x, weight, rstd, ctx.tile_tokens), None, None)
+
+
+_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FORWARD = OpSpec(_rms_norm_fwd, rms_norm_forward, _setup_context, _backward)
+_BACKWARD = OpSpec(_rms_norm_bwd, rms_norm_backward)
+
+
+def tiled_rms_norm(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> Tensor:
+    """Differentiable RMSNorm over the last dimension, ``tile_tokens`` tokens at a time."""
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be a positive number of tokens, got {tile_tokens}")
+    out, _ = call(_FORWARD, x, weight, eps, tile_tokens)
+    return out
+
+
+def _tiled_forward(module: nn.RMSNorm, tile_tokens: int, x: Tensor) -> Tensor:
+    """Drop-in for ``nn.RMSNorm.forward``; the weight is read per call (FSDP2 swaps it in)."""
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    return tiled_rms_norm(x, module.weight, eps, tile_tokens or x.shape[-1])
+
+
+def apply_tiled_rms_norm(model: nn.Module, tile_tokens: int = 0) -> None:
+    """Tile every ``nn.RMSNorm`` of the model (the blocks' two norms and the final norm).
+
+    ``tile_tokens`` = 0 means the model width (one (dim x dim) float32 tile of work at a time).
+    """
+    if tile_tokens < 0:
+        raise ValueError(f"[memory] norm_tile_tokens = {tile_tokens} must be >= 0 (0: automatic)")
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    if any(m.weight is None or len(m.normalized_shape) != 1 for m in norms):
+        raise ValueError("tiled RMSNorm needs RMSNorm over the last dimension with a weight")
+    for norm in norms:
+        norm.forward = functools.partial(_tiled_forward, norm, tile_tokens)

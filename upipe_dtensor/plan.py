@@ -1,0 +1,146 @@
+"""Memory planner CLI: will a recipe fit on its GPUs and in host RAM? Answered on a laptop.
+
+    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml
+    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --sweep seq_len --styles upipe,ulysses
+
+Any ``--section.key value`` overrides the recipe as in train.py. ``--sweep seq_len`` finds, for
+each CP style, the longest context that fits both budgets (by doubling, then bisection) and writes
+``sweep.csv`` and ``sweep.png`` to ``--out``. See ``upipe_dtensor.planner`` for what is modelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from .config import ConfigError, JobConfig, parse_args
+from .planner import GiB, Budget, Plan, plan_job
+
+
+def _with(config: JobConfig, *, seq_len: int, cp_style: str) -> JobConfig:
+    parallelism = dataclasses.replace(
+        config.parallelism,
+        cp_style=cp_style,
+        heads_per_stage=config.parallelism.heads_per_stage if cp_style == "upipe" else 0,
+    )
+    training = dataclasses.replace(config.training, seq_len=seq_len)
+    return dataclasses.replace(config, parallelism=parallelism, training=training)
+
+
+def longest_context(
+    config: JobConfig, cp_style: str, budget: Budget, world_size: int | None, log, resolution: float
+) -> tuple[int, list[Plan]]:
+    """The longest seq_len (a multiple of 1024 * cp, to within ``resolution`` of itself) that
+    fits, and every plan evaluated."""
+    granule = 1024 * config.parallelism.context_parallel_degree
+    plans: list[Plan] = []
+
+    def fits(seq_len: int) -> bool:
+        plan = plan_job(_with(config, seq_len=seq_len, cp_style=cp_style), budget, world_size)
+        plans.append(plan)
+        log(f"  {cp_style:8s} {seq_len:>12,} tokens: {plan.device_peak_bytes / GiB:7.2f} GiB "
+            f"device, {plan.host_per_node_bytes / GiB:8.1f} GiB host/node -> "
+            f"{'fits' if plan.fits else 'does not fit'}")
+        return plan.fits
+
+    start = max(granule, config.training.seq_len // granule * granule)
+    if fits(start):
+        lo, hi = start, 2 * start
+        while fits(hi):
+            lo, hi = hi, 2 * hi
+    else:
+        hi, lo = start, start // 2 // granule * granule
+        while lo >= granule and not fits(lo):
+            hi, lo = lo, lo // 2 // granule * granule
+        if lo < granule:
+            return 0, plans
+    while hi - lo > max(granule, int(lo * resolution)):
+        mid = (lo + hi) // 2 // granule * granule
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, plans
+
+
+def write_sweep(out: Path, results: dict[str, tuple[int, list[Plan]]], budget: Budget) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "sweep.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["cp_style", "seq_len", "device_peak_gib", "host_per_node_gib", "fits", "max_seq_len"])
+        for style, (best, plans) in results.items():
+            for plan in sorted(plans, key=lambda p: p.seq_len):
+                writer.writerow([style, plan.seq_len, f"{plan.device_peak_bytes / GiB:.3f}",
+                                 f"{plan.host_per_node_bytes / GiB:.1f}", plan.fits, best])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for style, (best, plans) in results.items():
+        points = sorted((p.seq_len, p.device_peak_bytes / GiB) for p in plans)
+        axes.plot([s / 2**20 for s, _ in points], [g for _, g in points], marker="o",
+                  label=f"{style} (max {best / 2**20:.2f}M tokens)")
+    axes.axhline(budget.device_bytes / GiB, color="red", linestyle="--", label="device budget")
+    axes.set_xlabel("context length (M tokens)")
+    axes.set_ylabel("planned peak device memory per GPU (GiB)")
+    axes.set_title("Planner: peak memory vs context length")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out / "sweep.png", dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="job or recipe .toml")
+    parser.add_argument("--device-memory-gib", type=float, default=80.0, help="memory per GPU")
+    parser.add_argument("--host-memory-gib", type=float, default=2048.0, help="host RAM per node")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks (default: cp degree x data_parallel_shard_degree)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--sweep", choices=["seq_len"], help="find the longest context that fits")
+    parser.add_argument("--styles", default="upipe,ulysses", help="cp styles to sweep")
+    parser.add_argument("--resolution", type=float, default=0.03,
+                        help="sweep precision, as a fraction of the longest context")
+    parser.add_argument("--out", default="outputs/plan", help="folder for sweep.csv and sweep.png")
+    args, overrides = parser.parse_known_args(argv)
+    budget = Budget(
+        device_bytes=int(args.device_memory_gib * GiB),
+        host_bytes_per_node=int(args.host_memory_gib * GiB),
+        gpus_per_node=args.gpus_per_node,
+    )
+    try:
+        config = parse_args(["--config", args.config, *overrides])
+        if args.sweep:
+            log = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
+            results = {
+                style: longest_context(config, style, budget, args.world_size, log, args.resolution)
+                for style in args.styles.split(",")
+            }
+            write_sweep(Path(args.out), results, budget)
+            summary = {style: best for style, (best, _) in results.items()}
+            if args.json:
+                print(json.dumps({"max_seq_len": summary, "budget": dataclasses.asdict(budget)}))
+            else:
+                print(f"longest context that fits ({args.device_memory_gib:g} GiB/GPU, "
+                      f"{args.host_memory_gib:g} GiB host/node):")
+                for style, best in summary.items():
+                    print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M)")
+                print(f"wrote {args.out}/sweep.csv and {args.out}/sweep.png")
+            return 0
+        plan = plan_job(config, budget, args.world_size)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

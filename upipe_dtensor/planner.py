@@ -1,0 +1,190 @@
+"""Will this recipe fit? The recipe's real training step, run on fake tensors and tracked.
+
+One CPU process plays rank 0 of the recipe's world: a fake process group of the recipe's size,
+``FakeTensorMode`` (shapes and dtypes, no memory, no compute) and the project's real code: model
+build, UPipe/Ulysses, FSDP2, checkpointing with host offload, tiled MLP, chunked loss, forward,
+backward and the optimizer step. The custom ops run transparently (``kernels.op_mode``), so the
+tracker sees the buffers inside UPipe's stage loop, the MLP tiles and the loss chunks.
+
+Fake CPU tensors stand in for GPU memory and fake ``meta`` tensors for the host buffers of the
+activation offload. FSDP2 CPU offload (``[training] enable_cpu_offload``) is modelled by moving the
+sharded float32 parameters, gradients and optimizer state from the device to the host. The
+numbers are an allocator without fragmentation: leave some headroom (the CUDA caching allocator,
+CUDA context and NCCL buffers are not in the plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from .config import JobConfig, check_job
+from .kernels.op_mode import transparent_ops
+from .memory.tracker import MODEL_STATES, LiveMemoryTracker
+from .parallelize import build_meshes
+from .trainer import Trainer
+
+GiB = 2**30
+DEVICE, HOST = torch.device("cpu"), torch.device("meta")  # fake stand-ins for GPU and host RAM
+
+
+@dataclass
+class Budget:
+    device_bytes: int = 80 * GiB
+    """Memory per GPU."""
+    host_bytes_per_node: int = 2048 * GiB
+    """Host RAM per node."""
+    gpus_per_node: int = 8
+
+
+@dataclass
+class Plan:
+    """Per-rank prediction for one job (all ranks of a CP job do the same work)."""
+
+    config_file: str | None
+    seq_len: int
+    cp_style: str
+    heads_per_stage: int
+    world_size: int
+    device_peak_bytes: int
+    device_peak_when: str
+    device_breakdown: dict[str, int]
+    host_peak_bytes: int
+    host_per_node_bytes: int
+    budget: Budget = field(default_factory=Budget)
+
+    @property
+    def fits(self) -> bool:
+        return (
+            self.device_peak_bytes <= self.budget.device_bytes
+            and self.host_per_node_bytes <= self.budget.host_bytes_per_node
+        )
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "fits": self.fits}
+
+    def render(self) -> str:
+        budget = self.budget
+        lines = [
+            f"plan for {self.config_file}: seq_len {self.seq_len:,}, {self.cp_style} "
+            f"(U = {self.heads_per_stage}), {self.world_size} ranks",
+            f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
+            f"{budget.device_bytes / GiB:.0f} GiB, at {self.device_peak_when}",
+        ]
+        for label, nbytes in sorted(self.device_breakdown.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {label:<42s} {nbytes / GiB:8.2f} GiB")
+        lines += [
+            f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB (activation offload,"
+            f" FSDP CPU offload)",
+            f"  host per node        : {self.host_per_node_bytes / GiB:8.2f} GiB of "
+            f"{budget.host_bytes_per_node / GiB:.0f} GiB ({budget.gpus_per_node} GPUs per node)",
+            f"  fits: {'yes' if self.fits else 'NO'}",
+        ]
+        return "\n".join(lines)
+
+
+def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
+    """Module hooks that tell the tracker where in the step it is (for 'when' and 'loss')."""
+    model = trainer.model
+
+    def entering(name: str):
+        def hook(_module, _args):
+            backward = torch._C._current_graph_task_id() != -1
+            tracker.when = f"{'backward (recompute)' if backward else 'forward'}, block {name}"
+            tracker.in_head = False
+
+        return hook
+
+    def head(_module, _args):
+        backward = torch._C._current_graph_task_id() != -1
+        tracker.when = f"{'backward' if backward else 'forward'}, output head and loss"
+        tracker.in_head = True
+
+    def backward_starts(_module, _grad_output):
+        tracker.when = "backward, output head and loss"
+        tracker.in_head = True
+
+    for name, block in model.layers.items():
+        # Recompute calls the module inside a checkpoint wrapper, not the wrapper itself.
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        inner.register_forward_pre_hook(entering(name))
+    model.norm.register_forward_pre_hook(head)
+    model.norm.register_full_backward_pre_hook(backward_starts)
+    trainer.optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "when", "optimizer step"))
+
+
+def _sharded_state_bytes(trainer: Trainer) -> int:
+    """Bytes of this rank's parameter, gradient and optimizer-state shards (FSDP CPU offload)."""
+    params = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
+    optimizer = sum(
+        t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+        for state in trainer.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return 2 * params + optimizer  # gradients are as large as the parameters
+
+
+def plan_job(config: JobConfig, budget: Budget | None = None, world_size: int | None = None) -> Plan:
+    """Run one fake training step of ``config`` as rank 0 and report its memory."""
+    budget = budget or Budget()
+    parallelism = config.parallelism
+    cp = parallelism.context_parallel_degree
+    dp = parallelism.data_parallel_shard_degree
+    world_size = world_size or cp * max(dp, 1)
+    dp = check_job(config, world_size)
+    config = dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+        metrics=dataclasses.replace(config.metrics, enable_tensorboard=False),
+    )
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        meshes = build_meshes("cpu", dp, cp)
+        tracker = LiveMemoryTracker()
+        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker:
+            trainer = Trainer(
+                config, meshes=meshes, device=DEVICE, host_device=HOST, mixed_precision=True
+            )
+            _watch_progress(trainer, tracker)
+            # The optimizer creates its state lazily: one step on zero gradients sets it up, so
+            # the measured step sees steady-state memory (state allocated before the step).
+            for param in trainer.model.parameters():
+                param.grad = torch.zeros_like(param)
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            tracker.start_step()
+            training = config.training
+            tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
+            trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
+        peak = tracker.peaks[str(DEVICE)]
+        breakdown = {label: nbytes for label, nbytes in peak.by_label.items() if nbytes > 0}
+        device_peak, host_peak = peak.bytes, tracker.peaks[str(HOST)].bytes
+        if config.training.enable_cpu_offload:
+            moved = _sharded_state_bytes(trainer)
+            device_peak -= moved
+            breakdown[MODEL_STATES] = breakdown.get(MODEL_STATES, 0) - moved
+            host_peak += moved
+    finally:
+        dist.destroy_process_group()
+    ranks_per_node = min(world_size, budget.gpus_per_node)
+    return Plan(
+        config_file=config.config_file,
+        seq_len=config.training.seq_len,
+        cp_style=parallelism.cp_style,
+        heads_per_stage=(parallelism.heads_per_stage or cp)
+        if parallelism.cp_style == "upipe"
+        else trainer.model.model_args.n_heads,
+        world_size=world_size,
+        device_peak_bytes=device_peak,
+        device_peak_when=peak.when,
+        device_breakdown=breakdown,
+        host_peak_bytes=host_peak,
+        host_per_node_bytes=host_peak * ranks_per_node,
+        budget=budget,
+    )
