@@ -130,8 +130,34 @@ def _sharded_state_bytes(trainer: Trainer) -> int:
     return 2 * params + optimizer  # gradients are as large as the parameters
 
 
-def plan_job(config: JobConfig, budget: Budget | None = None, world_size: int | None = None) -> Plan:
-    """Run one fake training step of ``config`` as rank 0 and report its memory."""
+def tracked_step(trainer: Trainer, tracker: LiveMemoryTracker, config: JobConfig) -> None:
+    """The measured step, the same for a plan and for a real run: the optimizer state is set up
+    first (AdamW creates it lazily; one step on zero gradients), then one training step on a
+    batch of token ids is tracked from its start."""
+    _watch_progress(trainer, tracker)
+    for param in trainer.model.parameters():
+        param.grad = torch.zeros_like(param)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    tracker.start_step()
+    training = config.training
+    tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
+    trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
+
+
+def plan_job(
+    config: JobConfig,
+    budget: Budget | None = None,
+    world_size: int | None = None,
+    *,
+    target: str = "cuda",
+) -> Plan:
+    """Run one fake training step of ``config`` as rank 0 and report its memory.
+
+    ``target="cuda"`` models a GPU run (bf16 mixed precision, offloaded activations on the
+    host); ``target="cpu"`` models a CPU run (float32, host and device are one memory).
+    """
+    host = HOST if target == "cuda" else DEVICE
     budget = budget or Budget()
     parallelism = config.parallelism
     cp = parallelism.context_parallel_degree
@@ -149,22 +175,17 @@ def plan_job(config: JobConfig, budget: Budget | None = None, world_size: int | 
         tracker = LiveMemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker:
             trainer = Trainer(
-                config, meshes=meshes, device=DEVICE, host_device=HOST, mixed_precision=True
+                config,
+                meshes=meshes,
+                device=DEVICE,
+                host_device=host,
+                mixed_precision=target == "cuda",
             )
-            _watch_progress(trainer, tracker)
-            # The optimizer creates its state lazily: one step on zero gradients sets it up, so
-            # the measured step sees steady-state memory (state allocated before the step).
-            for param in trainer.model.parameters():
-                param.grad = torch.zeros_like(param)
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad(set_to_none=True)
-            tracker.start_step()
-            training = config.training
-            tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
-            trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
+            tracked_step(trainer, tracker, config)
         peak = tracker.peaks[str(DEVICE)]
         breakdown = {label: nbytes for label, nbytes in peak.by_label.items() if nbytes > 0}
-        device_peak, host_peak = peak.bytes, tracker.peaks[str(HOST)].bytes
+        device_peak = peak.bytes
+        host_peak = tracker.peaks[str(HOST)].bytes if host != DEVICE else 0
         if config.training.enable_cpu_offload:
             moved = _sharded_state_bytes(trainer)
             device_peak -= moved
