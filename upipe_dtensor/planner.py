@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .config import JobConfig, check_job
@@ -118,11 +119,16 @@ def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
     trainer.optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "when", "optimizer step"))
 
 
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
 def _sharded_state_bytes(trainer: Trainer) -> int:
     """Bytes of this rank's parameter, gradient and optimizer-state shards (FSDP CPU offload)."""
-    params = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
+    params = sum(_local_bytes(p) for p in trainer.model.parameters())
     optimizer = sum(
-        t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+        _local_bytes(t)
         for state in trainer.optimizer.state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor)
