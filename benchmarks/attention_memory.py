@@ -6,8 +6,8 @@ bound" in ``upipe_dtensor/parallel/upipe_attention.py``). The stage loop runs in
 ``upipe::attention_fwd`` / ``attention_bwd``, so a dispatch mode would see only the op's outputs.
 This script instead reads the profiler's allocator events (``profile_memory=True``), which record
 CPU allocations and frees including the transient buffers inside the op, puts back the frees made
-on gloo's worker thread (which the profiler misses; see ``allocations``), and replays them in time
-order to get the peak of live bytes above the level at the start of each region.
+on gloo's worker thread (which the profiler misses; see ``live_memory.allocations``), and replays
+them in time order to get the peak of live bytes above the level at the start of each region.
 
 Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=64, S=8192).
 """
@@ -17,192 +17,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import tempfile
-import threading
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch._C._profiler import _EventType, _ProfilerEvent
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
+from live_memory import (MiB, Allocation, allocations, check_tracker, profiler, region,
+                         region_memory)
 from upipe_dtensor.parallel.style import UPipeAttention
 
-MiB = 2**20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FORWARD, BACKWARD = "bench::forward", "bench::backward"
-# Ops that only allocate: an allocation is labelled by the op that called them instead.
-_ALLOC_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-              "aten::zeros", "aten::zeros_like", "aten::new_empty_strided"}
-_AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
-_CODE_OF_INTEREST = re.compile(r"upipe_dtensor|torch/nn/modules|attention_memory")
-_FRAME = re.compile(r"\(\d+\)")  # a PyCall's line number is its def line, not the call's: drop it
-
-
-# --- allocation tracking ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """One allocator event: +bytes on allocation, -bytes on free, with who allocated it."""
-
-    time_ns: int
-    nbytes: int
-    ptr: int
-    label: str
-
-
-@dataclass
-class RegionMemory:
-    """Peak live bytes above the region's starting level, the level at its end, and who was live
-    at the peak (bytes allocated inside the region, grouped by label)."""
-
-    peak_bytes: int
-    end_bytes: int
-    live_at_peak: dict[str, int]
-
-
-def _origin(event: _ProfilerEvent) -> tuple[str, int | None]:
-    """Who made an allocation, as ``file function: aten op`` (the innermost package or ``nn``
-    Python frame, or the autograd node for backward ops that run without Python), and when that
-    frame returned (None if there is no such frame)."""
-    op, node = "?", event.parent
-    while node is not None:
-        if node.tag == _EventType.TorchOp:
-            if node.name.startswith(_AUTOGRAD_NODE):
-                return f"autograd {node.name[len(_AUTOGRAD_NODE):]}: {op}", node.end_time_ns
-            if op == "?" or op in _ALLOC_OPS:
-                op = node.name
-        elif node.tag == _EventType.PyCall and _CODE_OF_INTEREST.search(node.name):
-            return f"{_FRAME.sub('', os.path.basename(node.name))}: {op}", node.end_time_ns
-        node = node.parent
-    return f"?: {op}", None
-
-
-def allocations(prof: profile, alive: set[int]) -> tuple[list[Allocation], int]:
-    """Every CPU allocation and free in time order, with the frees the profiler missed put back.
-
-    The profiler records a free only on a thread where it is active. Gloo's worker thread
-    sometimes drops the last reference to an all-to-all buffer (its work object holds them), so
-    that free goes unrecorded and the buffer would look live forever. An allocation without a
-    recorded free, whose address is reused or which is not in ``alive`` (storage pointers known to
-    outlive the profile), is freed when the Python frame that made it returned (the program's
-    last use) or at the reuse, whichever is first. Returns (events, number of frees put back).
-    """
-    raw: list[tuple[_ProfilerEvent, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            raw.append((event, event.extra_fields.alloc_size))
-    raw.sort(key=lambda item: (item[0].start_time_ns, item[1]))
-
-    found: list[Allocation] = []
-    unfreed: dict[int, tuple[Allocation, int | None]] = {}
-    missed: list[tuple[Allocation, int | None, int | None]] = []  # (allocation, frame end, reuse)
-    for event, nbytes in raw:
-        ptr, time_ns = event.extra_fields.ptr, event.start_time_ns
-        if nbytes < 0:
-            unfreed.pop(ptr, None)
-            found.append(Allocation(time_ns, nbytes, ptr, ""))
-            continue
-        if ptr in unfreed:
-            missed.append((*unfreed.pop(ptr), time_ns))
-        label, frame_end = _origin(event)
-        allocation = Allocation(time_ns, nbytes, ptr, label)
-        unfreed[ptr] = (allocation, frame_end)
-        found.append(allocation)
-    missed += [(a, end, None) for a, end in unfreed.values() if a.ptr not in alive]
-    for allocation, frame_end, reuse in missed:
-        times = [t for t in (frame_end, reuse) if t is not None]
-        if not times:
-            raise RuntimeError(f"no free recorded for {allocation}, and no way to place one")
-        found.append(Allocation(min(times), -allocation.nbytes, allocation.ptr, ""))
-    found.sort(key=lambda a: (a.time_ns, a.nbytes))
-    return found, len(missed)
-
-
-def region(prof: profile, name: str) -> tuple[int, int]:
-    """[start, end] in ns of the outermost profiler range called ``name`` (an op or a
-    ``record_function``); a custom op shows up once per dispatch level, all nested."""
-    found: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.TorchOp and event.name == name:
-            found.append((event.start_time_ns, event.end_time_ns))
-        stack.extend(event.children)
-    if not found:
-        raise KeyError(f"no profiler range named {name!r}")
-    return max(found, key=lambda span: span[1] - span[0])
-
-
-def region_memory(events: list[Allocation], start: int, end: int) -> RegionMemory:
-    """Replay all events (so frees of earlier allocations count) and measure within [start, end]."""
-    level = baseline = peak = 0
-    live: dict[int, Allocation] = {}
-    live_at_peak: list[Allocation] = []
-    for event in events:
-        if event.time_ns > end:
-            break
-        level += event.nbytes
-        if event.nbytes > 0:
-            live[event.ptr] = event
-        else:
-            live.pop(event.ptr, None)
-        if event.time_ns < start:
-            baseline = level
-        elif level - baseline > peak:
-            peak = level - baseline
-            live_at_peak = [a for a in live.values() if a.time_ns >= start]
-    by_label: dict[str, int] = defaultdict(int)
-    for allocation in live_at_peak:
-        by_label[allocation.label] += allocation.nbytes
-    ordered = dict(sorted(by_label.items(), key=lambda item: -item[1]))
-    return RegionMemory(peak, level - baseline, ordered)
-
-
-def _profiler() -> profile:
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                   with_stack=True)
-
-
-def _freed_by_another_thread(nbytes: int) -> threading.Thread:
-    """Allocate ``nbytes`` and hand the only reference to a thread that drops it after this frame
-    returns, as gloo's worker thread does with all-to-all buffers. Join the returned thread."""
-    box = [torch.empty(nbytes, dtype=torch.uint8)]
-    thread = threading.Thread(target=lambda: (time.sleep(0.01), box.clear()))
-    thread.start()
-    return thread
-
-
-def check_tracker() -> None:
-    """Known peaks must come out exactly: 1 + 3 MiB live, then 3 + 2 MiB after a free, then a
-    4 MiB buffer whose free happens on another thread must not count as live at the end."""
-    with _profiler() as prof:
-        with record_function(FORWARD):
-            a = torch.empty(MiB, dtype=torch.uint8)
-            b = torch.empty(3 * MiB, dtype=torch.uint8)
-            del a
-            c = torch.empty(2 * MiB, dtype=torch.uint8)
-            del b, c
-            _freed_by_another_thread(4 * MiB).join()
-    events, put_back = allocations(prof, alive=set())
-    result = region_memory(events, *region(prof, FORWARD))
-    if (result.peak_bytes, result.end_bytes, put_back) != (5 * MiB, 0, 1):
-        raise RuntimeError(f"memory tracker is off: peak {result.peak_bytes}, end "
-                           f"{result.end_bytes}, frees put back {put_back}; expected "
-                           f"{5 * MiB}, 0, 1")
 
 
 # --- the benchmark ------------------------------------------------------------------------------
@@ -296,7 +130,7 @@ def measure(cfg: Config, heads_per_stage: int, mesh: DeviceMesh, freqs_cis: torc
     x = torch.randn(cfg.batch, local_len, dim, dtype=dtype, requires_grad=True)
     grad = torch.randn(cfg.batch, local_len, dim, dtype=dtype)
     dist.barrier()
-    with _profiler() as prof:
+    with profiler() as prof:
         with record_function(FORWARD):
             out = attention(x, freqs_cis)
         with record_function(BACKWARD):
