@@ -95,3 +95,9 @@ def test_resume_with_another_cp_degree(tmp_path: Path, reference: list[float]) -
     dump = tmp_path / "job"
     _losses(tmp_path, "first", 1, kill_at=3, dump=dump)
     _assert_close(_losses(tmp_path, "second", 2, dump=dump), reference[2:])
+
+
+def test_gradient_accumulation_equals_the_whole_batch(tmp_path: Path, reference: list[float]) -> None:
+    """Two micro-batches of 1 sequence see the same 2 sequences as one batch of 2 (packed data)."""
+    extra = ["--training.local_batch_size", "1", "--training.gradient_accumulation_steps", "2"]
+    _assert_close(_losses(tmp_path, "accum", 1, extra), reference)
