@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from .checkpoint import Checkpointer
-from .config import JobConfig, check_job
+from .config import ConfigError, JobConfig, check_job
 from .data import PackedTextLoader, build_tokenizer
 from .metrics import MetricsLogger
-from .models import build_llama3, flops_per_token, init_sharded_weights
+from .models import FLAVORS, build_llama3, flops_per_token, init_sharded_weights
 from .models.llama3 import IGNORE_INDEX
 from .parallelize import ParallelMeshes, build_meshes, parallelize_llama
 
@@ -72,6 +72,12 @@ class Trainer:
         )
         dp = check_job(config, world_size)  # before any process group or allocation
         tokenizer = build_tokenizer(config.model.tokenizer_path)
+        if tokenizer.vocab_size > FLAVORS[config.model.flavor].vocab_size:
+            raise ConfigError(
+                f"{config.config_file or 'command line'}: the tokenizer at "
+                f"{config.model.tokenizer_path} has {tokenizer.vocab_size} tokens, more than flavor "
+                f"{config.model.flavor!r}'s vocab_size {FLAVORS[config.model.flavor].vocab_size}"
+            )
         self.config = config
         training, parallelism = config.training, config.parallelism
         cp = parallelism.context_parallel_degree
@@ -90,11 +96,6 @@ class Trainer:
 
         with torch.device("meta"):
             self.model = build_llama3(config.model.flavor, seq_len=training.seq_len)
-        if tokenizer.vocab_size > self.model.model_args.vocab_size:
-            raise ValueError(
-                f"tokenizer at {config.model.tokenizer_path} has {tokenizer.vocab_size} tokens, more "
-                f"than flavor {config.model.flavor!r}'s vocab_size {self.model.model_args.vocab_size}"
-            )
         self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
         self.host_offload = parallelize_llama(
             self.model, self.meshes, config, self.device, host_device, mixed_precision
@@ -109,7 +110,8 @@ class Trainer:
             betas=(opt.beta1, opt.beta2),
             eps=opt.eps,
             weight_decay=opt.weight_decay,
-            fused=self.device.type == "cuda",
+            # The fused kernel needs the parameters on the GPU (not so under FSDP CPU offload).
+            fused=self.device.type == "cuda" and not training.enable_cpu_offload,
         )
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.dataloader = PackedTextLoader(

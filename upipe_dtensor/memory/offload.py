@@ -116,11 +116,6 @@ class HostOffload:
             self._in_flight.clear()  # the step's last unpack: the next forward starts afresh
         return tensor
 
-    def release(self) -> None:
-        """Free the pooled host buffers (e.g. after the last step)."""
-        self._pool.clear()
-        self.host_bytes = 0
-
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 

@@ -29,7 +29,6 @@ from torch.utils._pytree import tree_flatten
 MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
     "parameters + gradients + optimizer state", "attention", "mlp", "loss", "activation offload", "other"
 )
-LABELS = (MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER)
 
 # (path suffix, function name or None for any) -> label; the innermost matching frame wins.
 # Checkpoint recompute is triggered from inside whichever backward first needs a saved tensor:
@@ -159,8 +158,3 @@ class LiveMemoryTracker(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
                 self._track(leaf)
         return out
-
-    def track_existing(self, tensors) -> None:
-        """Count tensors created before the tracker was active (e.g. a model built outside)."""
-        for tensor in tensors:
-            self._track(tensor)
