@@ -2,7 +2,8 @@
 
 Same convention as torchtitan's Llama3 (interleaved pairs rotated by complex ``freqs_cis``), but
 written on real cos/sin tables so the UPipe op can rotate one stage's heads in float32 and undo
-the rotation on gradients (the VJP of a rotation by theta is a rotation by -theta).
+the rotation on gradients (the VJP of a rotation by theta is a rotation by -theta), a tile of
+tokens at a time.
 """
 
 from __future__ import annotations
@@ -19,15 +20,24 @@ def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
     return torch.view_as_real(freqs_cis[positions]).float()
 
 
+TILE_TOKENS = 16384
+"""Tokens rotated at a time: the float32 temporaries of one tile, not of the whole shard (at 655K
+tokens per GPU a stage's float32 copies would be several GiB)."""
+
+
 def _rotate(x: Tensor, table: Tensor, sign: float) -> Tensor:
     # table: (S, d/2, 2) or (B, S, d/2, 2) -> broadcast over batch and heads.
     if table.dim() == 3:
         table = table.unsqueeze(0)
-    cos, sin = table[..., 0].unsqueeze(2), table[..., 1].unsqueeze(2) * sign
-    pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[1], TILE_TOKENS):
+        rows = table[:, start : start + TILE_TOKENS]
+        cos, sin = rows[..., 0].unsqueeze(2), rows[..., 1].unsqueeze(2) * sign
+        pairs = x[:, start : start + TILE_TOKENS].float().unflatten(-1, (-1, 2))
+        real, imag = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+        out[:, start : start + TILE_TOKENS] = rotated.flatten(-2)
+    return out
 
 
 def apply_rope(x: Tensor, table: Tensor) -> Tensor:
