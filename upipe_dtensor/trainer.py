@@ -92,6 +92,7 @@ class Trainer:
         self.device = device
         self.meshes = meshes or build_meshes(self.device.type, dp, cp)
         self.cp_rank, self.cp = self.meshes.cp.get_local_rank(), cp
+        dp_rank = self.meshes.dp_shard.get_local_rank()
         self.world_size = world_size
 
         with torch.device("meta"):
@@ -121,7 +122,7 @@ class Trainer:
             tokenizer=tokenizer,
             seq_len=training.seq_len,
             batch_size=training.local_batch_size,
-            dp_rank=self.meshes.dp_shard.get_local_rank(),
+            dp_rank=dp_rank,
             dp_world_size=dp,
         )
         dump = config.job.dump_folder
@@ -134,7 +135,7 @@ class Trainer:
                 optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler,
                 dataloader=self.dataloader,
-                dp_rank=self.meshes.dp_shard.get_local_rank(),
+                dp_rank=dp_rank,
             )
             if config.checkpoint.enable
             else None

@@ -15,6 +15,7 @@ the same code path runs with plain copies and no streams (numerically identical,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -121,9 +122,7 @@ class HostOffload:
 
 
 def _checkpoint_fn(module: nn.Module, *args, offload: HostOffload | None = None, **kwargs):
-    if offload is None:
-        return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-    with offload.hooks():
+    with offload.hooks() if offload is not None else contextlib.nullcontext():
         return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
