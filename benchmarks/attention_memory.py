@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import record_function
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
-from live_memory import (MiB, Allocation, allocations, check_tracker, profiler, region,
-                         region_memory)
+from live_memory import (MiB, Allocation, allocations, check_tracker, on_gloo_ranks, profiler,
+                         region, region_memory)
 from upipe_dtensor.parallel.style import UPipeAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -147,30 +144,17 @@ def measure(cfg: Config, heads_per_stage: int, mesh: DeviceMesh, freqs_cis: torc
     )
 
 
-def _rank_main(rank: int, cfg: Config, store: str, result_path: str) -> None:
+def _rank_rows(rank: int, cfg: Config) -> list[dict]:
     """One CP rank: measure every U in turn (ranks stay in step through the collectives)."""
-    torch.set_num_threads(1)  # C processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cfg.cp)
-    try:
-        mesh = init_device_mesh("cpu", (cfg.cp,), mesh_dim_names=("cp",))
-        freqs_cis = precompute_freqs_cis(cfg.head_dim, cfg.seq_len, 500000.0)
-        rows = [measure(cfg, u, mesh, freqs_cis) for u in cfg.stage_sizes]
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump([asdict(r) for r in rows], f)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (cfg.cp,), mesh_dim_names=("cp",))
+    freqs_cis = precompute_freqs_cis(cfg.head_dim, cfg.seq_len, 500000.0)
+    return [asdict(measure(cfg, u, mesh, freqs_cis)) for u in cfg.stage_sizes]
 
 
 def run(cfg: Config) -> list[Row]:
-    """Spawn C gloo ranks (file:// rendezvous); rank 0 hands the rows back through a file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "rows.json")
-        mp.spawn(_rank_main, args=(cfg, os.path.join(tmp, "store"), result_path),
-                 nprocs=cfg.cp, join=True)
-        with open(result_path) as f:
-            return [Row(r["heads_per_stage"], Phase(**r["forward"]), Phase(**r["backward"]),
-                        r["frees_put_back"]) for r in json.load(f)]
+    """The rows of rank 0 of C gloo ranks."""
+    return [Row(r["heads_per_stage"], Phase(**r["forward"]), Phase(**r["backward"]),
+                r["frees_put_back"]) for r in on_gloo_ranks(cfg.cp, _rank_rows, cfg)]
 
 
 # --- reporting ----------------------------------------------------------------------------------

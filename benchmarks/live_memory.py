@@ -9,14 +9,18 @@ profiler misses frees made on gloo's worker thread; ``allocations`` puts them ba
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import tempfile
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch._C._profiler import _EventType, _ProfilerEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -186,3 +190,26 @@ def check_tracker() -> None:
         raise RuntimeError(f"memory tracker is off: peak {result.peak_bytes}, end "
                            f"{result.end_bytes}, frees put back {put_back}; expected "
                            f"{5 * MiB}, 0, 1")
+
+
+def _gloo_rank(rank: int, world_size: int, store: str, result_path: str, measure_rank, args) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        result = measure_rank(rank, *args)
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def on_gloo_ranks(world_size: int, measure_rank, *args):
+    """Run ``measure_rank(rank, *args)`` on ``world_size`` gloo processes (file:// rendezvous)
+    and return rank 0's result, which must be JSON-serialisable."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        mp.spawn(_gloo_rank, args=(world_size, os.path.join(tmp, "store"), result_path,
+                                   measure_rank, args), nprocs=world_size, join=True)
+        with open(result_path) as f:
+            return json.load(f)

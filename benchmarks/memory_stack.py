@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import re
 import tempfile
 import time
@@ -33,11 +32,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.profiler import record_function
 
 from live_memory import (CODE_OF_INTEREST, MiB, RegionMemory, allocations, check_tracker,
-                         profiler, region, region_memory)
+                         on_gloo_ranks, profiler, region, region_memory)
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.models import build_llama3
 from upipe_dtensor.trainer import Trainer
@@ -150,30 +148,16 @@ def measure(setup: Setup, name: str, overrides: list[str], dump_folder: str) -> 
                max(hosts) if hosts else None, step.live_at_peak, max(g[3] for g in gathered))
 
 
-def _rank_main(rank: int, setup: Setup, store: str, result_path: str) -> None:
+def _rank_rows(rank: int, setup: Setup) -> list[dict]:
     """One CP rank: every configuration in turn, each with a fresh Trainer."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.cp))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=setup.cp)
-    try:
-        with tempfile.TemporaryDirectory() as dump_folder:
-            rows = [measure(setup, name, overrides, dump_folder)
-                    for name, overrides in configurations(setup).items()]
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump([asdict(r) for r in rows], f)
-    finally:
-        dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as dump_folder:
+        return [asdict(measure(setup, name, overrides, dump_folder))
+                for name, overrides in configurations(setup).items()]
 
 
 def run(setup: Setup) -> list[Row]:
-    """Spawn C gloo ranks (file:// rendezvous); rank 0 hands the rows back through a file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "rows.json")
-        mp.spawn(_rank_main, args=(setup, os.path.join(tmp, "store"), result_path),
-                 nprocs=setup.cp, join=True)
-        with open(result_path) as f:
-            return [Row(**r) for r in json.load(f)]
+    """The rows of rank 0 of C gloo ranks."""
+    return [Row(**r) for r in on_gloo_ranks(setup.cp, _rank_rows, setup)]
 
 
 # --- reporting ----------------------------------------------------------------------------------
