@@ -35,8 +35,10 @@ def _rotate(x: Tensor, table: Tensor, sign: float) -> Tensor:
         cos, sin = rows[..., 0].unsqueeze(2), rows[..., 1].unsqueeze(2) * sign
         pairs = x[:, start : start + TILE_TOKENS].float().unflatten(-1, (-1, 2))
         real, imag = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-        out[:, start : start + TILE_TOKENS] = rotated.flatten(-2)
+        # Written (and cast) straight into the output: no stacked float32 copy of the tile.
+        rotated = out[:, start : start + TILE_TOKENS].unflatten(-1, (-1, 2))
+        rotated[..., 0] = real * cos - imag * sin
+        rotated[..., 1] = real * sin + imag * cos
     return out
 
 
