@@ -31,6 +31,16 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
+class Parallelized:
+    """What ``parallelize_llama`` set up that the caller needs afterwards."""
+
+    cp_style: UPipeAttention
+    """The context-parallel style: its ``shard_positions`` lays out every sequence."""
+    host_offload: HostOffload | None
+    """The activation offload (for its host-memory report), if on."""
+
+
+@dataclass(frozen=True)
 class ParallelMeshes:
     """The (dp_shard, cp) world mesh and its flattened dp_shard x cp mesh, which FSDP2 uses."""
 
@@ -51,13 +61,16 @@ def build_meshes(device_type: str, dp_shard: int, cp: int) -> ParallelMeshes:
     return ParallelMeshes(world=world, fsdp=world["dp_shard", "cp"]._flatten("dp_shard_cp"))
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, config: JobConfig) -> None:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, config: JobConfig) -> UPipeAttention:
+    """Apply the configured CP style to every attention module; returns the style, whose
+    ``shard_positions`` says which tokens each CP rank feeds."""
     parallelism = config.parallelism
     if parallelism.cp_style == "ulysses":
         style = UlyssesAttention()
     else:
         style = UPipeAttention(heads_per_stage=parallelism.heads_per_stage or None)
     parallelize_module(model, cp_mesh, {"layers.*.attention": style})
+    return style
 
 
 def apply_compile(model: nn.Module, config: JobConfig) -> None:
@@ -94,13 +107,13 @@ def parallelize_llama(
     device: torch.device,
     host_device: torch.device = torch.device("cpu"),
     mixed_precision: bool | None = None,
-) -> HostOffload | None:
-    """Apply everything the config asks for; returns the host offload (for its memory report).
+) -> Parallelized:
+    """Apply everything the config asks for; returns the CP style and the host offload.
 
     ``mixed_precision`` (default: on CUDA only) applies [training] mixed_precision_param/reduce;
     the planner turns it on to model a GPU run with CPU stand-in tensors.
     """
-    apply_context_parallel(model, meshes.cp, config)
+    cp_style = apply_context_parallel(model, meshes.cp, config)
     if config.memory.tiled_mlp:
         apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
     if config.memory.tiled_rms_norm:
@@ -116,4 +129,4 @@ def parallelize_llama(
     if mixed_precision is None:
         mixed_precision = device.type == "cuda"
     apply_fsdp(model, meshes.fsdp, config, device, mixed_precision)
-    return offload
+    return Parallelized(cp_style=cp_style, host_offload=offload)

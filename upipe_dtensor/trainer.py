@@ -98,9 +98,10 @@ class Trainer:
         with torch.device("meta"):
             self.model = build_llama3(config.model.flavor, seq_len=training.seq_len)
         self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
-        self.host_offload = parallelize_llama(
+        parallelized = parallelize_llama(
             self.model, self.meshes, config, self.device, host_device, mixed_precision
         )
+        self.cp_style, self.host_offload = parallelized.cp_style, parallelized.host_offload
         self.model.to_empty(device=self.device)
         init_sharded_weights(self.model, seed=training.seed, device=self.device)
 
@@ -152,9 +153,9 @@ class Trainer:
         )
 
     def shard_sequence(self, batch: torch.Tensor) -> torch.Tensor:
-        """This CP rank's contiguous slice of the sequence dimension."""
-        local = batch.shape[1] // self.cp
-        return batch[:, self.cp_rank * local : (self.cp_rank + 1) * local].to(self.device)
+        """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
+        positions = self.cp_style.shard_positions(batch.shape[1], self.cp_rank, self.cp)
+        return batch.index_select(1, positions).to(self.device)
 
     def train_step(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..kernels.attention import BACKENDS
 from ..kernels.rope import rope_table
 from .head_schedule import make_head_schedule
+from .layouts import contiguous_positions
 from .upipe_attention import upipe_attention
 
 
@@ -30,6 +31,7 @@ class _CPAttentionPlan:
     cp_size: int
     heads_per_stage: int
     backend: str
+    style: "UPipeAttention"
 
 
 class UPipeAttention(ParallelStyle):
@@ -61,6 +63,11 @@ class UPipeAttention(ParallelStyle):
         self.heads_per_stage = heads_per_stage
         self.backend = backend
 
+    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+        """The global token indices rank ``cp_rank`` of ``cp_size`` feeds, in the order the module
+        expects: the contiguous slice ``[r*S/C, (r+1)*S/C)``."""
+        return contiguous_positions(seq_len, cp_rank, cp_size)
+
     def _stage_size(self, n_heads: int, cp_size: int) -> int:
         return cp_size if self.heads_per_stage is None else self.heads_per_stage
 
@@ -81,6 +88,7 @@ class UPipeAttention(ParallelStyle):
             cp_size=cp_size,
             heads_per_stage=heads_per_stage,
             backend=self.backend,
+            style=self,
         )
         module.forward = functools.partial(_cp_attention_forward, module, plan)
         return module
@@ -124,11 +132,6 @@ def _check_attention_module(module: nn.Module) -> None:
         raise ValueError(f"head_dim={module.head_dim} must be even for rotary embeddings")
 
 
-def _shard_positions(plan: _CPAttentionPlan, local_len: int, device: torch.device) -> Tensor:
-    start = plan.cp_rank * local_len
-    return torch.arange(start, start + local_len, device=device)
-
-
 def _cp_attention_forward(
     module: nn.Module,
     plan: _CPAttentionPlan,
@@ -149,7 +152,7 @@ def _cp_attention_forward(
                 f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "
                 f"model with max_seq_len >= {seq_len}"
             )
-        positions = _shard_positions(plan, local_len, x.device)
+        positions = plan.style.shard_positions(seq_len, plan.cp_rank, plan.cp_size).to(x.device)
     elif positions.shape[-1] != local_len or positions.dim() != 2:
         raise ValueError(
             f"positions must be (1, {local_len}) or (B, {local_len}) global indices of this "
