@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
+from .build import build_parallel_model
 from .checkpoint import Checkpointer
-from .config import ConfigError, JobConfig, check_job
-from .data import PackedTextLoader, build_tokenizer
+from .config import JobConfig
+from .data import PackedTextLoader
 from .metrics import MetricsLogger
-from .models import FLAVORS, build_llama3, flops_per_token, init_sharded_weights
+from .models import flops_per_token
 from .models.llama3 import IGNORE_INDEX
-from .parallelize import ParallelMeshes, build_meshes, parallelize_llama
-
+from .parallelize import ParallelMeshes
 
 
 def lr_lambda(config: JobConfig):
@@ -43,14 +43,6 @@ def lr_lambda(config: JobConfig):
     return factor
 
 
-def _device() -> tuple[torch.device, str]:
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
 class Trainer:
     """Builds everything from a validated ``JobConfig``; ``train()`` runs the steps."""
 
@@ -67,43 +59,14 @@ class Trainer:
         memory planner passes its own: meshes built before entering a FakeTensorMode (which cannot
         build one), a device, a stand-in ``host_device`` for offloaded activations, and
         ``mixed_precision=True`` to model a GPU run (default: mixed precision on CUDA only)."""
-        world_size = (
-            dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        self.parallel = built = build_parallel_model(
+            config, meshes=meshes, device=device, host_device=host_device, mixed_precision=mixed_precision
         )
-        dp = check_job(config, world_size)  # before any process group or allocation
-        tokenizer = build_tokenizer(config.model.tokenizer_path)
-        if tokenizer.vocab_size > FLAVORS[config.model.flavor].vocab_size:
-            raise ConfigError(
-                f"{config.config_file or 'command line'}: the tokenizer at "
-                f"{config.model.tokenizer_path} has {tokenizer.vocab_size} tokens, more than flavor "
-                f"{config.model.flavor!r}'s vocab_size {FLAVORS[config.model.flavor].vocab_size}"
-            )
-        self.config = config
-        training, parallelism = config.training, config.parallelism
-        cp = parallelism.context_parallel_degree
-
-        if config.memory.expandable_segments:
-            # Before the first CUDA allocation; a user's own setting wins.
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        if device is None:
-            device, backend = _device()
-            if not dist.is_initialized():
-                dist.init_process_group(backend)
-        self.device = device
-        self.meshes = meshes or build_meshes(self.device.type, dp, cp)
-        self.cp_rank, self.cp = self.meshes.cp.get_local_rank(), cp
-        dp_rank = self.meshes.dp_shard.get_local_rank()
-        self.world_size = world_size
-
-        with torch.device("meta"):
-            self.model = build_llama3(config.model.flavor, seq_len=training.seq_len)
-        self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
-        parallelized = parallelize_llama(
-            self.model, self.meshes, config, self.device, host_device, mixed_precision
-        )
-        self.cp_style, self.host_offload = parallelized.cp_style, parallelized.host_offload
-        self.model.to_empty(device=self.device)
-        init_sharded_weights(self.model, seed=training.seed, device=self.device)
+        self.config, self.model, self.device = config, built.model, built.device
+        self.meshes, self.cp_style, self.host_offload = built.meshes, built.cp_style, built.host_offload
+        self.cp_rank, self.cp, self.world_size = built.cp_rank, built.cp, built.world_size
+        self.flops_per_token = flops_per_token(self.model, self.model.model_args, config.training.seq_len)
+        training, dp, dp_rank, world_size = config.training, built.dp, built.dp_rank, built.world_size
 
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -120,7 +83,7 @@ class Trainer:
             dataset=training.dataset,
             dataset_path=training.dataset_path,
             text_field=training.dataset_text_field,
-            tokenizer=tokenizer,
+            tokenizer=built.tokenizer,
             seq_len=training.seq_len,
             batch_size=training.local_batch_size,
             dp_rank=dp_rank,
@@ -154,8 +117,7 @@ class Trainer:
 
     def shard_sequence(self, batch: torch.Tensor) -> torch.Tensor:
         """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
-        positions = self.cp_style.shard_positions(batch.shape[1], self.cp_rank, self.cp)
-        return batch.index_select(1, positions).to(self.device)
+        return self.parallel.shard_sequence(batch)
 
     def train_step(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
