@@ -4,25 +4,67 @@ Same convention as torchtitan's Llama3 (interleaved pairs rotated by complex ``f
 written on real cos/sin tables so the UPipe op can rotate one stage's heads in float32 and undo
 the rotation on gradients (the VJP of a rotation by theta is a rotation by -theta), a tile of
 tokens at a time.
+
+Our ``Llama3`` keeps no position table: its ``freqs_cis`` buffer holds the head_dim/2 inverse
+frequencies in float64 (:func:`rope_frequencies`), and :func:`rope_table` computes the angles of
+the local shard's positions only. torchtitan's table is (max_seq_len, head_dim/2) complex64,
+2.5 GiB per GPU at 5M tokens for head_dim 128, and its angles are float32 products: at position
+5M a float32 angle is off by up to 0.25 rad. Here the product and cos/sin run in float64 and
+only the result is cast to float32.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+TILE_TOKENS = 16384
+"""Tokens rotated (or given angles) at a time: the float32/float64 temporaries of one tile, not of
+the whole shard (at 655K tokens per GPU a stage's float32 copies would be several GiB)."""
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RoPEScalingArgs) -> Tensor:
+    """The (head_dim/2,) float64 inverse frequencies ``theta ** (-2i / head_dim)`` with Llama3's
+    frequency-dependent scaling (``scaling_factor = 1`` leaves them unchanged).
+
+    torchtitan's ``precompute_freqs_cis`` applies the same rule, but in float32 and only while
+    building the whole position table, so it cannot give us the frequencies alone.
+    """
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    factor = scaling.scaling_factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / freqs
+    # Long wavelengths (beyond original / low) are slowed down by the factor, short ones (below
+    # original / high) kept, and the band in between interpolated linearly in 1 / wavelength.
+    scaled = torch.where(wavelength > original / low, freqs / factor, freqs)
+    smooth = (original / wavelength - low) / (high - low)
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
-    """Rows of the complex RoPE table at ``positions`` as real (P..., head_dim/2, 2) float32.
+    """RoPE angles at ``positions`` as a real (P..., head_dim/2, 2) float32 table of (cos, sin).
 
-    ``positions`` is (S,) or (B, S) global token indices; only those rows are materialised.
+    ``positions`` is (S,) or (B, S) global token indices (or per-document positions). ``freqs_cis``
+    is either our float64 inverse frequencies (:func:`rope_frequencies`): the angles are computed
+    for these positions only, in float64, a tile at a time; or torchtitan's complex
+    (max_seq_len, head_dim/2) table, of which only these rows are read.
     """
-    return torch.view_as_real(freqs_cis[positions]).float()
-
-
-TILE_TOKENS = 16384
-"""Tokens rotated at a time: the float32 temporaries of one tile, not of the whole shard (at 655K
-tokens per GPU a stage's float32 copies would be several GiB)."""
+    if freqs_cis.is_complex():
+        return torch.view_as_real(freqs_cis[positions]).float()
+    table = torch.empty(
+        *positions.shape, freqs_cis.shape[0], 2, dtype=torch.float32, device=positions.device
+    )
+    for start in range(0, positions.shape[-1], TILE_TOKENS):
+        tile = slice(start, start + TILE_TOKENS)
+        angles = positions[..., tile, None].to(torch.float64) * freqs_cis
+        table[..., tile, :, 0] = angles.cos()
+        table[..., tile, :, 1] = angles.sin()
+    return table
 
 
 def _rotate(x: Tensor, table: Tensor, sign: float) -> Tensor:

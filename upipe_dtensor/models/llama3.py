@@ -1,9 +1,13 @@
-"""torchtitan's Llama3, with an explicit ``head_dim`` so the paper's 32B shape can be built.
+"""torchtitan's Llama3, with an explicit ``head_dim`` and FFN size, and no RoPE position table.
 
 torchtitan 0.2.2 derives head_dim as dim // n_heads; the UPipe paper's 32B model (a Qwen3-32B
-shape on the Llama3 architecture) has dim 5120 but 64 heads of 128 (64 * 128 != 5120). ``Llama3``
-subclasses torchtitan's ``Transformer`` and only resizes the attention projections and the RoPE
-table when head_dim differs; everything else (blocks, init, forward) is torchtitan's.
+shape on the Llama3 architecture) has dim 5120 but 64 heads of 128 (64 * 128 != 5120). It also
+derives the FFN size from dim, multiple_of and ffn_dim_multiplier, while a Hugging Face
+config.json states ``intermediate_size``. ``Llama3`` subclasses torchtitan's ``Transformer`` and
+only resizes the attention and MLP projections when those differ; blocks, init and forward are
+torchtitan's. Its ``freqs_cis`` buffer holds the float64 inverse frequencies instead of a
+max_seq_len-row complex table: the CP style computes the angles of its shard's positions only
+(``kernels.rope``).
 """
 
 from __future__ import annotations
@@ -20,21 +24,34 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import Transformer, precompute_freqs_cis
+from torchtitan.models.llama3.model.model import FeedForward, Transformer
 
+from ..kernels.rope import rope_frequencies
 from ..memory.chunked_loss import chunked_cross_entropy_sum
 
 IGNORE_INDEX = -100
+EVAL_CHUNK_TOKENS = 4096
+"""Tokens per chunk of per-token losses when [memory] loss_chunk_tokens is not set."""
 
 
 @dataclass
 class Llama3Args(TransformerModelArgs):
     head_dim: int = 0
     """Per-head size; 0 means dim // n_heads (torchtitan's rule)."""
+    ffn_dim: int = 0
+    """SwiGLU hidden size; 0 means torchtitan's rule (from dim, multiple_of, ffn_dim_multiplier)."""
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def resolved_ffn_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        with torch.device("meta"):  # torchtitan's own rule, read off its module
+            mlp = FeedForward(self.dim, 4 * self.dim, self.multiple_of, self.ffn_dim_multiplier)
+        return mlp.w1.out_features
 
 
 FLAVORS: dict[str, Llama3Args] = {
@@ -61,20 +78,25 @@ FLAVORS: dict[str, Llama3Args] = {
 
 
 class Llama3(Transformer):
-    """torchtitan ``Transformer`` whose attention uses ``args.resolved_head_dim``."""
+    """torchtitan ``Transformer`` with ``args.resolved_head_dim`` and ``args.resolved_ffn_dim``."""
 
     def __init__(self, args: Llama3Args) -> None:
         super().__init__(args)
-        head_dim = args.resolved_head_dim
-        if head_dim != args.dim // args.n_heads:
-            n_kv = args.n_kv_heads or args.n_heads
-            for block in self.layers.values():
+        head_dim, ffn_dim = args.resolved_head_dim, args.resolved_ffn_dim
+        n_kv = args.n_kv_heads or args.n_heads
+        for block in self.layers.values():
+            if head_dim != args.dim // args.n_heads:
                 attention = block.attention
                 attention.head_dim = head_dim
                 attention.wq = nn.Linear(args.dim, args.n_heads * head_dim, bias=False)
                 attention.wk = nn.Linear(args.dim, n_kv * head_dim, bias=False)
                 attention.wv = nn.Linear(args.dim, n_kv * head_dim, bias=False)
                 attention.wo = nn.Linear(args.n_heads * head_dim, args.dim, bias=False)
+            mlp = block.feed_forward
+            if mlp.w1.out_features != ffn_dim:
+                mlp.w1 = nn.Linear(args.dim, ffn_dim, bias=False)
+                mlp.w2 = nn.Linear(ffn_dim, args.dim, bias=False)
+                mlp.w3 = nn.Linear(args.dim, ffn_dim, bias=False)
 
     loss_chunk_tokens: int = 0
     """When > 0, ``forward(tokens, labels=...)`` fuses the output layer and cross-entropy over
@@ -86,11 +108,14 @@ class Llama3(Transformer):
         attention_masks=None,
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
-        """Logits, as torchtitan's; or, given ``labels``, the summed cross-entropy of the tokens.
+        """Logits, as torchtitan's; or, given ``labels``, the summed cross-entropy of the tokens
+        (``per_token``: each token's, as (B, S) float32 with 0 where the label is ignored).
 
         The loss path runs inside the model's forward so the output weight is the gathered one
-        under FSDP2; with ``loss_chunk_tokens`` it never materialises the (tokens, vocab) logits.
+        under FSDP2; with ``loss_chunk_tokens`` (and always with ``per_token``) it never
+        materialises the (tokens, vocab) logits.
         """
         if labels is None:
             return super().forward(tokens, attention_masks, positions)
@@ -98,6 +123,8 @@ class Llama3(Transformer):
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
         h = self.norm(h)
+        if per_token:
+            return self._token_losses(h, labels)
         if self.loss_chunk_tokens:
             return chunked_cross_entropy_sum(
                 h, self.output.weight, labels, chunk_tokens=self.loss_chunk_tokens, ignore_index=IGNORE_INDEX
@@ -107,11 +134,22 @@ class Llama3(Transformer):
             logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
-    def _precompute_freqs_cis(self):
+    def _token_losses(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each token's cross-entropy, a chunk of tokens at a time (for evaluation, no autograd)."""
+        chunk = self.loss_chunk_tokens or EVAL_CHUNK_TOKENS
+        h_flat, labels_flat = h.flatten(0, 1), labels.flatten()
+        losses = torch.empty(labels_flat.shape, dtype=torch.float32, device=h.device)
+        for start in range(0, labels_flat.shape[0], chunk):
+            logits = self.output(h_flat[start : start + chunk]).float()
+            losses[start : start + chunk] = F.cross_entropy(
+                logits, labels_flat[start : start + chunk], ignore_index=IGNORE_INDEX, reduction="none"
+            )
+        return losses.view(labels.shape)
+
+    def _precompute_freqs_cis(self) -> torch.Tensor:
+        """The (head_dim/2,) float64 inverse frequencies, not torchtitan's position table."""
         args = self.model_args
-        return precompute_freqs_cis(
-            args.resolved_head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_args
-        )
+        return rope_frequencies(args.resolved_head_dim, args.rope_theta, args.rope_scaling_args)
 
 
 def build_llama3(flavor: str, *, seq_len: int, vocab_size: int | None = None) -> Llama3:

@@ -146,7 +146,7 @@ def _cp_attention_forward(
     local_len = x.shape[1]
     if positions is None:
         seq_len = local_len * plan.cp_size
-        if seq_len > freqs_cis.shape[0]:
+        if freqs_cis.is_complex() and seq_len > freqs_cis.shape[0]:  # a torchtitan position table
             raise ValueError(
                 f"sequence length {seq_len} (= {local_len} local tokens x cp {plan.cp_size}) "
                 f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "
