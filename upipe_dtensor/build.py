@@ -10,6 +10,7 @@ materialised (never the whole model on one rank).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,13 @@ from torch import Tensor
 
 from .config import ConfigError, JobConfig, check_job
 from .data import Tokenizer, build_tokenizer
+from .documents import document_ids, document_positions
 from .memory.offload import HostOffload
-from .models import FLAVORS, Llama3, build_llama3, init_sharded_weights
+from .models import Llama3, init_sharded_weights
+from .models.hf_config import model_args
 from .parallel import UPipeAttention
 from .parallelize import ParallelMeshes, build_meshes, parallelize_llama
+from .weights import initial_load_folder, load_dcp_weights, load_hf_weights
 
 
 def pick_device() -> tuple[torch.device, str]:
@@ -31,6 +35,17 @@ def pick_device() -> tuple[torch.device, str]:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def _init_process_group(backend: str) -> None:
+    """torchrun's process group; a plain ``python`` run (no RANK in the environment) is a
+    one-process group on a free local port, so evaluate and convert need no launcher for cp = 1."""
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend)
 
 
 @dataclass
@@ -56,6 +71,25 @@ class ParallelModel:
         positions = self.cp_style.shard_positions(batch.shape[1], self.cp_rank, self.cp)
         return batch.index_select(1, positions.to(batch.device)).to(self.device)
 
+    def document_inputs(self, tokens: Tensor) -> dict[str, Tensor | None]:
+        """The model's ``attention_masks`` and ``positions`` for a batch of whole sequences,
+        as [training] attention_mask and position_ids ask (None: causal, global positions).
+
+        The document ids cover the whole (B, S) sequence: every CP rank builds the whole batch
+        from the loader, so no communication is needed; they cost 4 bytes per token.
+        """
+        training = self.config.training
+        causal = training.attention_mask == "causal" and training.position_ids == "global"
+        if causal:
+            return {"attention_masks": None, "positions": None}
+        doc_ids = document_ids(tokens, self.tokenizer.eos_id)
+        return {
+            "attention_masks": doc_ids.to(self.device) if training.attention_mask == "document" else None,
+            "positions": self.shard_sequence(document_positions(doc_ids))
+            if training.position_ids == "document"
+            else None,
+        }
+
 
 def build_parallel_model(
     config: JobConfig,
@@ -77,13 +111,13 @@ def build_parallel_model(
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     )
     dp = check_job(config, world_size)  # before any process group or allocation
-    tokenizer = build_tokenizer(config.model.tokenizer_path)
-    flavor = config.model.flavor
-    if tokenizer.vocab_size > FLAVORS[flavor].vocab_size:
+    args = model_args(config.model, config.training.seq_len)
+    tokenizer = build_tokenizer(config.model.tokenizer_folder)
+    if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"{config.config_file or 'command line'}: the tokenizer at "
-            f"{config.model.tokenizer_path} has {tokenizer.vocab_size} tokens, more than flavor "
-            f"{flavor!r}'s vocab_size {FLAVORS[flavor].vocab_size}"
+            f"{config.model.tokenizer_folder} has {tokenizer.vocab_size} tokens, more than the "
+            f"model's vocab_size {args.vocab_size} (flavor {config.model.flavor!r})"
         )
     if config.memory.expandable_segments:
         # Before the first CUDA allocation; a user's own setting wins.
@@ -91,11 +125,11 @@ def build_parallel_model(
     if device is None:
         device, backend = pick_device()
         if not dist.is_initialized():
-            dist.init_process_group(backend)
+            _init_process_group(backend)
     meshes = meshes or build_meshes(device.type, dp, config.parallelism.context_parallel_degree)
 
     with torch.device("meta"):
-        model = build_llama3(flavor, seq_len=config.training.seq_len)
+        model = Llama3(args)
     parallelized = parallelize_llama(model, meshes, config, device, host_device, mixed_precision)
     model.to_empty(device=device)
     init_sharded_weights(model, seed=config.training.seed, device=device)
@@ -113,3 +147,19 @@ def build_parallel_model(
         cp=config.parallelism.context_parallel_degree,
         cp_rank=meshes.cp.get_local_rank(),
     )
+
+
+def load_initial_weights(built: ParallelModel) -> str:
+    """Load [checkpoint] initial_load_path (a Hugging Face folder with initial_load_in_hf, else a
+    DCP checkpoint) into the sharded model; returns what was loaded, for the start-up line.
+
+    Callers load this only when there is no snapshot of the job itself to resume from.
+    """
+    folder = initial_load_folder(built.config)
+    if not folder:
+        return f"seed {built.config.training.seed} initial weights"
+    if built.config.checkpoint.initial_load_in_hf:
+        load_hf_weights(built.model, built.model.model_args, folder)
+        return f"Hugging Face weights {folder}"
+    load_dcp_weights(built.model, folder)
+    return f"DCP weights {folder}"

@@ -40,9 +40,32 @@ class Model:
     name: str = "llama3"
     """Model family; only torchtitan's Llama3 is supported."""
     flavor: str = "debugmodel"
-    """Size preset: debugmodel, 8B or 32B (see upipe_dtensor.models)."""
+    """Size preset: debugmodel, 8B or 32B (see upipe_dtensor.models), or 'hf': the shape in
+    hf_assets_path/config.json (a named flavor must agree with that file when both are given)."""
     tokenizer_path: str = "assets/tokenizer"
-    """Folder holding a Hugging Face tokenizer.json (or the file itself)."""
+    """Folder holding a Hugging Face tokenizer.json (or the file itself); empty means the one in
+    hf_assets_path."""
+    hf_assets_path: str = ""
+    """A Hugging Face model folder (config.json, *.safetensors, tokenizer.json): the shape for
+    flavor 'hf', and the weights that [checkpoint] initial_load_in_hf reads by default."""
+    rope_theta: float = 0.0
+    """RoPE base; 0 keeps the flavor's (or config.json's). Context extension often raises it."""
+    rope_scaling_factor: float = 0.0
+    """Llama3 RoPE scaling: long wavelengths are slowed down by this factor (1 = no scaling);
+    0 keeps the flavor's (or config.json's)."""
+    rope_low_freq_factor: float = 0.0
+    """Llama3 RoPE scaling: wavelengths above original_max_position_embeddings / this are scaled
+    fully; 0 keeps the flavor's."""
+    rope_high_freq_factor: float = 0.0
+    """Llama3 RoPE scaling: wavelengths below original_max_position_embeddings / this are kept;
+    0 keeps the flavor's."""
+    rope_original_max_position_embeddings: int = 0
+    """Llama3 RoPE scaling: the context the unscaled model was trained at; 0 keeps the flavor's."""
+
+    @property
+    def tokenizer_folder(self) -> str:
+        """Where the tokenizer is read from: tokenizer_path, else hf_assets_path."""
+        return self.tokenizer_path or self.hf_assets_path
 
 
 @dataclass
@@ -72,6 +95,12 @@ class Training:
     enable_cpu_offload: bool = False
     """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live in host memory
     and the optimizer steps there (frees ~12 GiB/GPU for 8B on 8 GPUs; costs host bandwidth)."""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """'document': a token attends only to earlier tokens of its own document in a packed
+    sequence (documents end at each EOS; torchtitan's block_causal). 'causal': across documents."""
+    position_ids: Literal["global", "document"] = "global"
+    """RoPE positions: 'global' counts from the sequence start, 'document' restarts at 0 at
+    every document start (after each EOS)."""
 
 
 @dataclass
@@ -151,6 +180,17 @@ class Checkpoint:
     """Delete older snapshots, keeping this many (0 keeps all)."""
     load_step: int = -1
     """Resume from this step's snapshot; -1 picks the latest complete one."""
+    initial_load_path: str = ""
+    """Weights to start from when there is no snapshot to resume from yet (snapshots win): a
+    DCP checkpoint (model-only, or one of our snapshots), or with initial_load_in_hf a Hugging
+    Face folder; empty with initial_load_in_hf means [model] hf_assets_path."""
+    initial_load_in_hf: bool = False
+    """initial_load_path (or hf_assets_path) is a Hugging Face safetensors folder."""
+    last_save_in_hf: bool = False
+    """After the last step, also write the model as a Hugging Face folder (config.json,
+    safetensors, tokenizer) to {folder}/step-N-hf, loadable by transformers and vLLM."""
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weight dtype of the Hugging Face export (float32 keeps the trained weights exactly)."""
 
 
 @dataclass
@@ -348,6 +388,11 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("memory", "mlp_tile_tokens", 0),
         ("memory", "norm_tile_tokens", 0),
         ("memory", "loss_chunk_tokens", 1),
+        ("model", "rope_theta", 0),
+        ("model", "rope_scaling_factor", 0),
+        ("model", "rope_low_freq_factor", 0),
+        ("model", "rope_high_freq_factor", 0),
+        ("model", "rope_original_max_position_embeddings", 0),
     ):
         value = getattr(getattr(config, section), key)
         if value < minimum:
@@ -360,7 +405,8 @@ def _check_positive(config: JobConfig, fail) -> None:
 
 def check_job(config: JobConfig, world_size: int) -> int:
     """Reject impossible combinations before any heavy work; returns the dp_shard degree."""
-    from .models import FLAVORS
+    from .models.hf_config import model_args
+    from .weights import check_initial_load
     from .parallel.head_schedule import make_head_schedule
 
     source = config.config_file or "command line"
@@ -392,9 +438,14 @@ def check_job(config: JobConfig, world_size: int) -> int:
         )
     if config.model.name != "llama3":
         fail(f"[model] name = {config.model.name!r}: only 'llama3' is supported")
-    if config.model.flavor not in FLAVORS:
-        fail(f"[model] flavor = {config.model.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
-    args = FLAVORS[config.model.flavor]
+    try:
+        args = model_args(config.model, training.seq_len)
+    except ValueError as err:
+        fail(str(err))
+    try:
+        check_initial_load(config, args)
+    except ValueError as err:
+        fail(str(err))
     if config.activation_checkpoint.cpu_offload and config.activation_checkpoint.mode != "full":
         fail(
             "[activation_checkpoint] cpu_offload moves the inputs that full checkpointing keeps; "
@@ -414,9 +465,10 @@ def check_job(config: JobConfig, world_size: int) -> int:
             f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
             f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name"
         )
-    if not os.path.exists(config.model.tokenizer_path):
+    if not os.path.exists(config.model.tokenizer_folder):
         fail(
-            f"[model] tokenizer_path = {config.model.tokenizer_path!r} does not exist; point it at "
-            f"a folder with a Hugging Face tokenizer.json"
+            f"[model] tokenizer_path = {config.model.tokenizer_path!r} (hf_assets_path = "
+            f"{config.model.hf_assets_path!r}) does not exist; point it at a folder with a "
+            f"Hugging Face tokenizer.json"
         )
     return dp

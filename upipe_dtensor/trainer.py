@@ -16,14 +16,15 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from .build import build_parallel_model
+from .build import build_parallel_model, load_initial_weights
 from .checkpoint import Checkpointer
 from .config import JobConfig
 from .data import PackedTextLoader
 from .metrics import MetricsLogger
 from .models import flops_per_token
 from .models.llama3 import IGNORE_INDEX
-from .parallelize import ParallelMeshes
+from .parallelize import DTYPES, ParallelMeshes
+from .weights import save_hf_weights
 
 
 def lr_lambda(config: JobConfig):
@@ -123,13 +124,16 @@ class Trainer:
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global mean loss, grad norm)."""
-        shards = [(self.shard_sequence(inputs), self.shard_sequence(labels)) for inputs, labels in microbatches]
-        tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in shards)
+        shards = [
+            (self.shard_sequence(inputs), self.shard_sequence(labels), self.parallel.document_inputs(inputs))
+            for inputs, labels in microbatches
+        ]
+        tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in shards)
         dist.all_reduce(tokens)  # every token of the step on every rank
         loss_sum = torch.zeros((), device=self.device)
-        for index, (inputs, labels) in enumerate(shards):
+        for index, (inputs, labels, documents) in enumerate(shards):
             self.model.set_requires_gradient_sync(index == len(shards) - 1)
-            shard_sum = self.model(inputs, labels=labels)
+            shard_sum = self.model(inputs, labels=labels, **documents)
             (shard_sum * self.world_size / tokens).backward()
             loss_sum += shard_sum.detach()
         max_norm = self.config.training.max_norm
@@ -140,15 +144,32 @@ class Trainer:
         dist.all_reduce(loss_sum)
         return loss_sum / tokens, grad_norm
 
+    def export_hf(self, step: int) -> str:
+        """Write the model as a Hugging Face folder, {checkpoint folder}/step-N-hf; returns it."""
+        config = self.config
+        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder, f"step-{step}-hf")
+        save_hf_weights(
+            self.model,
+            self.model.model_args,
+            folder,
+            dtype=DTYPES[config.checkpoint.export_dtype],
+            base_folder=config.model.hf_assets_path,
+            tokenizer_folder=config.model.tokenizer_folder,
+        )
+        if dist.get_rank() == 0:
+            print(f"wrote the Hugging Face model to {folder}", flush=True)
+        return folder
+
     def train(self) -> list[float]:
         """Run to ``training.steps`` (resuming from the latest snapshot); returns the losses."""
         training = self.config.training
         start = self.checkpointer.load(self.config.checkpoint.load_step) if self.checkpointer else 0
+        weights = f"snapshot step-{start}" if start else load_initial_weights(self.parallel)
         if dist.get_rank() == 0:
             print(
                 f"{self.config.job.description}: {self.config.model.flavor}, seq_len "
                 f"{training.seq_len}, cp {self.cp} ({self.config.parallelism.cp_style}), "
-                f"world {self.world_size}, device {self.device.type}, from step {start}",
+                f"world {self.world_size}, device {self.device.type}, from step {start} ({weights})",
                 flush=True,
             )
         batches = iter(self.dataloader)
@@ -173,5 +194,7 @@ class Trainer:
             )
             if self.checkpointer is not None:
                 self.checkpointer.maybe_save(step, last=step == training.steps)
+            if step == training.steps and self.config.checkpoint.last_save_in_hf:
+                self.export_hf(step)
         self.metrics.close()
         return losses

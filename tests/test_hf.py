@@ -1,0 +1,190 @@
+"""Hugging Face in and out, against ``transformers`` itself: a tiny HF Llama loaded on 2 gloo
+ranks with UPipe gives transformers' logits; evaluate reports transformers' loss; HF -> our
+checkpoint -> HF is bit-exact; the trainer's HF export loads in transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from harness import gather_sequence, rel_err, run_on_ranks
+from hf_tiny import SEQ_LEN, load_reference, random_tokens, safetensors_weights, write_tiny_hf_llama
+from upipe_dtensor import convert
+from upipe_dtensor.build import build_parallel_model, load_initial_weights
+from upipe_dtensor.config import ConfigError, check_job, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    return write_tiny_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+def _job(dump: Path, hf: Path, *extra: str):
+    return parse_args([
+        "--config", str(REPO / "train_configs/debug_model.toml"),
+        "--job.dump_folder", str(dump),
+        "--model.flavor", "hf",
+        "--model.hf_assets_path", str(hf),
+        "--model.tokenizer_path=",
+        "--checkpoint.initial_load_in_hf", "true",
+        "--training.seq_len", str(SEQ_LEN),
+        "--parallelism.context_parallel_degree", "2",
+        "--metrics.enable_tensorboard", "false",
+        *extra,
+    ])
+
+
+def _torchrun(processes: int, *args: str, timeout: float = 300) -> tuple[int, str, str]:
+    """Run ``torchrun --standalone`` in its own process group, killed whole on timeout."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         str(processes), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, stdout, stderr
+
+
+def _elements_read(counter: list[int]):
+    """Wrap the HF reader so it counts the tensor elements this rank reads from safetensors."""
+    read_data = HuggingFaceStorageReader.read_data
+
+    def counting(self, plan, planner):
+        counter[0] += sum(int(np.prod(item.lengths)) for item in plan.items)
+        return read_data(self, plan, planner)
+
+    HuggingFaceStorageReader.read_data = counting
+
+
+def _logits_on_ranks(rank: int, world: int, dump: str, hf: str, tokens, expected) -> None:
+    read = [0]
+    _elements_read(read)
+    built = build_parallel_model(_job(Path(dump), Path(hf), "--checkpoint.enable", "false"))
+    load_initial_weights(built)
+    total = sum(p.numel() for p in built.model.parameters())
+    # Each rank read only its own shards from the files: half the model, and together all of it.
+    reads = [None] * world
+    dist.all_gather_object(reads, read[0])
+    assert sum(reads) == total and max(reads) <= total // world + 2048, (reads, total)
+    with torch.no_grad():
+        logits = gather_sequence(built.model(built.shard_sequence(tokens)))
+    assert logits.shape == expected.shape
+    err = rel_err(logits, expected)
+    assert err <= 1e-4, err
+    if rank == 0:
+        print(f"UPipe cp=2 logits vs transformers: rel err {err:.2e}")
+
+
+def test_logits_equal_transformers(tmp_path: Path, hf_folder: Path) -> None:
+    tokens = random_tokens(2)
+    with torch.no_grad():
+        expected = load_reference(hf_folder)(tokens).logits
+    run_on_ranks(2, _logits_on_ranks, str(tmp_path), str(hf_folder), tokens, expected)
+
+
+def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_folder: Path) -> None:
+    tokens = random_tokens(3, seed=2)
+    np.save(tmp_path / "tokens.npy", tokens.numpy().astype(np.int32))
+    with torch.no_grad():
+        expected = load_reference(hf_folder)(tokens, labels=tokens).loss.item()  # transformers' own shift
+    job = tmp_path / "eval.toml"
+    job.write_text(
+        f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
+        f'[job]\ndump_folder = "{tmp_path / "out"}"\n'
+        f'[model]\nflavor = "hf"\nhf_assets_path = "{hf_folder}"\ntokenizer_path = ""\n'
+        f'[checkpoint]\ninitial_load_in_hf = true\n'
+        f'[metrics]\nenable_tensorboard = false\n'
+    )
+    returncode, stdout, stderr = _torchrun(
+        2, "-m", "upipe_dtensor.evaluate", "--config", str(job), "--tokens", str(tmp_path / "tokens.npy")
+    )
+    assert returncode == 0, stderr[-3000:]
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["predicted_tokens"] == 3 * (SEQ_LEN - 1)
+    assert abs(report["loss"] - expected) <= 1e-5 * expected, (report["loss"], expected)
+    assert list(report["loss_by_position"]) == ["0", "1", "2-3", "4-7", "8-15", "16-31", "32-62"]
+    weights = [1, 1, 2, 4, 8, 16, 31]  # positions per bucket: the buckets average back to the loss
+    mean = sum(w * v for w, v in zip(weights, report["loss_by_position"].values())) / (SEQ_LEN - 1)
+    assert abs(mean - report["loss"]) <= 1e-6 * report["loss"]
+    assert (tmp_path / "out" / "loss_by_position_tokens.png").stat().st_size > 0
+
+
+def test_hf_to_dcp_to_hf_is_bit_exact(tmp_path: Path, hf_folder: Path) -> None:
+    assert convert.main(["--to", "dcp", str(hf_folder), str(tmp_path / "dcp")]) == 0
+    assert convert.main([
+        "--to", "hf", str(tmp_path / "dcp"), str(tmp_path / "hf"),
+        "--model.flavor", "hf", "--model.hf_assets_path", str(hf_folder),
+    ]) == 0
+    original, back = safetensors_weights(hf_folder), safetensors_weights(tmp_path / "hf")
+    assert sorted(back) == sorted(original)
+    for name, weight in original.items():
+        assert back[name].dtype == weight.dtype and torch.equal(back[name], weight), name
+    tokens = random_tokens(1)
+    with torch.no_grad():
+        assert torch.equal(load_reference(tmp_path / "hf")(tokens).logits, load_reference(hf_folder)(tokens).logits)
+
+
+def test_flavor_disagreeing_with_config_json_is_a_config_error(tmp_path: Path, hf_folder: Path) -> None:
+    config = _job(tmp_path, hf_folder, "--model.flavor", "debugmodel")
+    with pytest.raises(ConfigError, match=r"flavor = 'debugmodel' has hidden_size = 256, but .*config.json has 64"):
+        check_job(config, world_size=2)
+    with pytest.raises(ConfigError, match=r"flavor = 'hf' takes the shape from config.json; set \[model\] hf_assets_path"):
+        check_job(_job(tmp_path, hf_folder, "--model.hf_assets_path="), world_size=2)
+
+
+def _train_on_ranks(rank: int, world: int, dump: str, hf: str, out: str) -> None:
+    from upipe_dtensor.trainer import Trainer
+
+    trainer = Trainer(_job(Path(dump), Path(hf), "--training.steps", "1", "--checkpoint.enable", "true",
+                           "--checkpoint.last_save_in_hf", "true", "--training.local_batch_size", "2"))
+    losses = trainer.train()
+    if rank == 0:
+        Path(out).write_text(json.dumps(losses))
+
+
+def test_trainer_starts_from_hf_and_exports_hf(tmp_path: Path, hf_folder: Path) -> None:
+    """Step 1's loss is transformers' loss on the same batch; the step-1 export (written from the
+    2-rank sharded model) equals the single-process conversion of the step-1 snapshot bit for bit,
+    differs from the start (training happened), and transformers loads it."""
+    from upipe_dtensor.data import PackedTextLoader, build_tokenizer
+    from upipe_dtensor.models.llama3 import IGNORE_INDEX
+
+    run_on_ranks(2, _train_on_ranks, str(tmp_path / "job"), str(hf_folder), str(tmp_path / "losses.json"))
+    loss = json.loads((tmp_path / "losses.json").read_text())[0]
+    loader = PackedTextLoader(dataset="local", dataset_path=str(REPO / "assets/corpus"), text_field="text",
+                              tokenizer=build_tokenizer(str(hf_folder)), seq_len=SEQ_LEN, batch_size=2,
+                              dp_rank=0, dp_world_size=1)
+    inputs, labels = next(iter(loader))
+    with torch.no_grad():
+        logits = load_reference(hf_folder)(inputs).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    assert abs(loss - expected.item()) <= 1e-5 * expected.item(), (loss, expected.item())
+
+    checkpoints = tmp_path / "job" / "checkpoint"
+    assert convert.main(["--to", "hf", str(checkpoints / "step-1"), str(tmp_path / "converted"),
+                         "--model.flavor", "hf", "--model.hf_assets_path", str(hf_folder)]) == 0
+    exported, converted = safetensors_weights(checkpoints / "step-1-hf"), safetensors_weights(tmp_path / "converted")
+    original = safetensors_weights(hf_folder)
+    assert sorted(exported) == sorted(converted) == sorted(original)
+    assert all(torch.equal(exported[k], converted[k]) for k in exported)
+    assert not any(torch.equal(exported[k], original[k]) for k in exported if "norm" not in k)
+    tokens = random_tokens(1)
+    with torch.no_grad():
+        assert torch.isfinite(load_reference(checkpoints / "step-1-hf")(tokens).logits).all()
