@@ -1,9 +1,11 @@
 """A tiny Hugging Face Llama written by ``transformers`` itself: the reference for HF in/out tests.
 
-Random weights, GQA (4 query / 2 KV heads), head_dim 32 while hidden_size / heads = 16 (the shape
-class where torchtitan's adapter needs our fix), Llama3 RoPE scaling whose three frequency bands
-are all populated (original context 32, sequences of 64), float32 safetensors via
-``save_pretrained``, and the shipped tokenizer (vocabulary 2048) beside them.
+Random weights; GQA with 4 query heads and 1 KV head, so on 2 ranks there are fewer KV heads
+than CP ranks and FSDP's row shards of wk split its head (the case where the RoPE permutation is
+not shard-local); head_dim 32 while hidden_size / heads = 16 (where torchtitan's adapter needs our
+fix); Llama3 RoPE scaling whose three frequency bands are all populated (original context 32,
+sequences of 64); float32 safetensors via ``save_pretrained``; and the shipped tokenizer
+(vocabulary 2048) beside them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def tiny_hf_config(*, tie_word_embeddings: bool = False) -> LlamaConfig:
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=1,
         head_dim=32,
         rms_norm_eps=1e-5,
         max_position_embeddings=SEQ_LEN,

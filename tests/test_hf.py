@@ -73,30 +73,38 @@ def _elements_read(counter: list[int]):
     HuggingFaceStorageReader.read_data = counting
 
 
-def _logits_on_ranks(rank: int, world: int, dump: str, hf: str, tokens, expected) -> None:
-    read = [0]
-    _elements_read(read)
-    built = build_parallel_model(_job(Path(dump), Path(hf), "--checkpoint.enable", "false"))
-    load_initial_weights(built)
-    total = sum(p.numel() for p in built.model.parameters())
-    # Each rank read only its own shards from the files: half the model, and together all of it.
-    reads = [None] * world
-    dist.all_gather_object(reads, read[0])
-    assert sum(reads) == total and max(reads) <= total // world + 2048, (reads, total)
-    with torch.no_grad():
-        logits = gather_sequence(built.model(built.shard_sequence(tokens)))
-    assert logits.shape == expected.shape
-    err = rel_err(logits, expected)
-    assert err <= 1e-4, err
-    if rank == 0:
-        print(f"UPipe cp=2 logits vs transformers: rel err {err:.2e}")
+def _logits_on_ranks(rank: int, world: int, dump: str, cases: list, tokens) -> None:
+    for hf, expected, tied in cases:
+        read = [0]
+        _elements_read(read)
+        built = build_parallel_model(_job(Path(dump), Path(hf), "--checkpoint.enable", "false"))
+        load_initial_weights(built)
+        total = sum(p.numel() for p in built.model.parameters())
+        # Each rank read only its own shards from the files: half the model, and together all of
+        # it (tied embeddings: the output layer is a copy, read once).
+        reads = [None] * world
+        dist.all_gather_object(reads, read[0])
+        stored = total - (built.model.output.weight.numel() if tied else 0)
+        assert sum(reads) == stored and max(reads) <= stored // world + 2048, (reads, stored)
+        with torch.no_grad():
+            logits = gather_sequence(built.model(built.shard_sequence(tokens)))
+        assert logits.shape == expected.shape
+        err = rel_err(logits, expected)
+        assert err <= 1e-4, err
+        if rank == 0:
+            print(f"UPipe cp=2 logits vs transformers ({'tied' if tied else 'untied'}): rel err {err:.2e}")
 
 
 def test_logits_equal_transformers(tmp_path: Path, hf_folder: Path) -> None:
+    """Also for tied embeddings (Llama 3.2 1B/3B store no lm_head)."""
+    tied = write_tiny_hf_llama(tmp_path / "tied", seed=3, tie_word_embeddings=True)
+    assert "lm_head.weight" not in safetensors_weights(tied)
     tokens = random_tokens(2)
-    with torch.no_grad():
-        expected = load_reference(hf_folder)(tokens).logits
-    run_on_ranks(2, _logits_on_ranks, str(tmp_path), str(hf_folder), tokens, expected)
+    cases = []
+    for folder, is_tied in ((hf_folder, False), (tied, True)):
+        with torch.no_grad():
+            cases.append((str(folder), load_reference(folder)(tokens).logits, is_tied))
+    run_on_ranks(2, _logits_on_ranks, str(tmp_path), cases, tokens)
 
 
 def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_folder: Path) -> None:

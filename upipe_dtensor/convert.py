@@ -32,10 +32,6 @@ from .parallelize import DTYPES
 from .weights import load_dcp_weights, load_hf_weights, save_dcp_weights, save_hf_weights
 
 
-# One process, no process group: DCP says so on every load and save.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
 def _empty_model(args: Llama3Args) -> Llama3:
     with torch.device("meta"):
         model = Llama3(args)
@@ -94,6 +90,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="weight dtype of a Hugging Face export (default: [checkpoint] export_dtype)")
     args, rest = parser.parse_known_args(argv)
+    with warnings.catch_warnings():  # one process, no process group: DCP warns on each call
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return _convert(args, rest)
+
+
+def _convert(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         if args.to == "hf":
             message = to_hf(args.source, args.target, rest, args.dtype)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (
     consolidate_safetensors_files_on_every_rank,
 )
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -62,6 +63,34 @@ class Llama3HFAdapter(Llama3StateDictAdapter):
 
     def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
         return super()._reverse_permute(w, n_heads_arg)
+
+
+_ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
+
+
+def _by_columns(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with wq and wk re-sharded by columns (input features).
+
+    The adapter's RoPE permutation reorders rows within each head. FSDP2 shards rows, and when a
+    rank's rows do not hold whole heads (8 KV heads on 16 ranks) DTensor cannot reorder them in
+    place. Sharded by columns, every rank holds all rows of its columns: the permutation is local,
+    and each rank still reads and writes only its 1/world of the weight.
+    """
+    resharded = dict(state)
+    for key, value in state.items():
+        if key.endswith(_ROPE_PERMUTED) and isinstance(value, DTensor):
+            resharded[key] = value.redistribute(value.device_mesh, [Shard(1)] * value.device_mesh.ndim)
+    return resharded
+
+
+def _like(loaded: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``loaded`` with every DTensor back in the sharding of the model's own weight."""
+    return {
+        key: value.redistribute(model_state[key].device_mesh, model_state[key].placements)
+        if isinstance(value, DTensor) and value.placements != model_state[key].placements
+        else value
+        for key, value in loaded.items()
+    }
 
 
 def _by_block(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -124,14 +153,14 @@ def load_hf_weights(model: nn.Module, args: Llama3Args, folder: str) -> None:
     tied = _hf_tied_embeddings(folder)
     options = StateDictOptions(strict=False)
     for group in _by_block(get_model_state_dict(model)):
-        hf_group = adapter.to_hf(group)
+        hf_group = adapter.to_hf(_by_columns(group))
         if tied:
             hf_group.pop("lm_head.weight", None)
         dcp.load(hf_group, storage_reader=HuggingFaceStorageReader(folder))
         loaded = adapter.from_hf(hf_group)
         if tied and "output.weight" in group:
             loaded["output.weight"] = loaded["tok_embeddings.weight"]
-        set_model_state_dict(model, loaded, options=options)
+        set_model_state_dict(model, _like(loaded, group), options=options)
 
 
 def load_dcp_weights(model: nn.Module, folder: str) -> None:
@@ -184,7 +213,7 @@ def save_hf_weights(
     has_index = bool(base_folder) and (Path(base_folder) / "model.safetensors.index.json").is_file()
     adapter = Llama3HFAdapter(args, base_folder if has_index else None)
     state = {key: value.to(dtype) for key, value in get_model_state_dict(model).items()}
-    hf_state = adapter.to_hf(state)
+    hf_state = adapter.to_hf(_by_columns(state))
     mapping = adapter.fqn_to_index_mapping
     if mapping:  # the base's file layout; weights it lacks (an untied lm_head) go in its last file
         last = max(mapping.values())
