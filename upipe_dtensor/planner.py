@@ -58,6 +58,9 @@ class Plan:
     host_peak_bytes: int
     host_per_node_bytes: int
     budget: Budget = field(default_factory=Budget)
+    document_metadata_bytes: int = 0
+    """Device bytes of the document boundaries ([training] attention_mask / position_ids =
+    'document'): int32 ids of the whole sequence and this rank's int64 positions, per micro-batch."""
 
     @property
     def fits(self) -> bool:
@@ -84,6 +87,10 @@ class Plan:
             f" FSDP CPU offload)",
             f"  host per node        : {self.host_per_node_bytes / GiB:8.2f} GiB of "
             f"{budget.host_bytes_per_node / GiB:.0f} GiB ({budget.gpus_per_node} GPUs per node)",
+            *([f"  document metadata    : {self.document_metadata_bytes / 2**20:8.2f} MiB per rank "
+               f"({self.document_metadata_bytes / max(self.device_peak_bytes, 1):.3%} of the peak; "
+               f"ids of the whole sequence, positions of the shard)"]
+              if self.document_metadata_bytes else []),
             f"  fits: {'yes' if self.fits else 'NO'}",
         ]
         return "\n".join(lines)
@@ -134,6 +141,16 @@ def _sharded_state_bytes(trainer: Trainer) -> int:
         if isinstance(t, torch.Tensor)
     )
     return 2 * params + optimizer  # gradients are as large as the parameters
+
+
+def document_metadata_bytes(config: JobConfig) -> int:
+    """What the document options add on each device: the (B, S) int32 document ids of the whole
+    sequence (every CP rank needs every boundary) and the (B, S/C) int64 positions of its shard."""
+    training = config.training
+    batch, seq_len = training.local_batch_size, training.seq_len
+    ids = batch * seq_len * 4 if training.attention_mask == "document" else 0
+    positions = batch * seq_len // config.parallelism.context_parallel_degree * 8
+    return ids + (positions if training.position_ids == "document" else 0)
 
 
 def tracked_step(trainer: Trainer, tracker: LiveMemoryTracker, config: JobConfig) -> None:
@@ -214,4 +231,5 @@ def plan_job(
         host_peak_bytes=host_peak,
         host_per_node_bytes=host_peak * ranks_per_node,
         budget=budget,
+        document_metadata_bytes=document_metadata_bytes(config),
     )
