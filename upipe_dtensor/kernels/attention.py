@@ -1,16 +1,35 @@
-"""Local causal attention for one UPipe stage: forward returns the log-sum-exp, backward reuses it.
+"""Local attention kernels with one contract for every CP style: forward -> (out, lse); backward
+from (out, lse).
 
-A stage in backward is recomputed up to Q/K/V and then differentiated with the saved output and
-LSE, so every backend here exposes the kernel-level pair (forward -> out, lse; backward(out, lse)
--> dq, dk, dv) rather than an autograd function. Tensors are (batch, seq, heads, head_dim); K/V may
-have fewer heads than Q (GQA: query head i uses KV head i // (hq // hk)). LSE is (batch, hq, seq),
-float32.
+Every style runs attention as blocks of queries against blocks of keys and either finishes a block
+in one call (UPipe, Ulysses) or merges several blocks through their log-sum-exp (ring, FPDT; see
+``kernels.merge``). Backward then differentiates each block with the *final* output and LSE, which
+gives the exact gradient of the merged attention, so nothing but (out, lse) crosses a block.
 
-Backends: ``flash`` (flash-attn 2, CUDA), ``sdpa`` (PyTorch's own flash kernels: the CPU one, which
-takes GQA as is, or the CUDA one, which gets K/V repeated to the query heads and whose backward
-recomputes the stage's attention forward), ``auto`` = flash when
-importable on CUDA, else sdpa. These run inside the UPipe
-custom op, whose fake implementation is what ``torch.compile`` sees.
+A block is one of two kinds, which is all the causal mask needs when tokens keep their global
+order inside every block:
+  ``causal=True``  the queries and keys are the same tokens (a diagonal block): key j is visible
+                   to query i iff j <= i;
+  ``causal=False`` every key precedes every query (a past block): all keys are visible.
+With documents (``q_docs``, ``k_docs``: (B, Sq), (B, Sk) int document ids, non-decreasing along
+the sequence, as ``documents.document_ids`` numbers them) keys of other documents are hidden too.
+In a past block at most one document has both keys and queries (documents are contiguous): a
+prefix of the queries against a suffix of the keys; queries with no visible key get out = 0 and
+lse = -inf, which the LSE merge treats as "no contribution".
+
+Tensors are (batch, seq, heads, head_dim); K/V may have fewer heads than Q (GQA: query head i uses
+KV head i // (hq // hk)). LSE is (batch, hq, seq) float32.
+
+Backends: ``flash`` (flash-attn 2 on CUDA; documents through its varlen kernels), ``sdpa``
+(PyTorch's own flash kernels: the CPU one, or aten's CUDA flash forward/backward, which take the
+saved output and LSE like flash-attn; documents run one document at a time there), ``auto`` =
+flash when importable on CUDA, else sdpa. The CUDA paths are thin calls of documented library
+functions and have not been run in this repository (no GPU); the CPU path runs the same block
+logic and is what the tests check against the unsharded model.
+
+On fake tensors (the memory planner) document ids have no values, so a document-masked block is
+planned as the dense block of the same shapes: the kernels' outputs are the same size either way
+and the boundary metadata is a few integers per document.
 """
 
 from __future__ import annotations
@@ -19,6 +38,7 @@ import importlib.util
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 BACKENDS = ("auto", "flash", "sdpa")
 
@@ -41,6 +61,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
+# --- dense blocks: one kernel call -------------------------------------------------------------
+
+
 def _repeat_kv(kv: Tensor, n_rep: int) -> Tensor:
     return kv if n_rep == 1 else kv.repeat_interleave(n_rep, dim=2)
 
@@ -49,66 +72,189 @@ def _sum_kv_grad(grad: Tensor, n_rep: int) -> Tensor:
     return grad if n_rep == 1 else grad.unflatten(2, (-1, n_rep)).sum(3)
 
 
-def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str
-) -> tuple[Tensor, Tensor]:
-    """Causal attention of q over k, v; returns (out (B,S,hq,d), lse (B,hq,S) float32)."""
+def _philox_placeholder(device: torch.device) -> Tensor:
+    """aten's flash backward takes the forward's dropout RNG state; without dropout it is unused."""
+    return torch.empty(2, dtype=torch.int64, device=device)
+
+
+def _dense_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, causal: bool):
     if backend == "flash":
         from flash_attn.flash_attn_interface import _flash_attn_forward
 
-        out, lse, _, _ = _flash_attn_forward(
-            q, k, v, 0.0, scale, True, -1, -1, 0.0, None, False
+        out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False)
+        return out, lse
+    if q.is_cuda:  # aten's flash kernel: (B, S, h, d) in and out; K/V repeated to the query heads
+        n_rep = q.shape[2] // k.shape[2]
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), None, None, q.shape[1], k.shape[1],
+            0.0, causal, False, scale=scale,
         )
         return out, lse
-    if q.is_cuda:
-        n_rep = q.shape[2] // k.shape[2]
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)))
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            qt, kt, vt, 0.0, True, False, scale=scale
-        )
-    else:  # the CPU kernel takes fewer KV heads as they are
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=scale
-        )
+    # The CPU kernel takes grouped K/V as they are.
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+    )
     return out.transpose(1, 2), lse
 
 
-def attention_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    backend: str,
+def _dense_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    scale: float, backend: str, causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of causal attention w.r.t. q, k, v, from the forward's out and lse."""
     if backend == "flash":
         from flash_attn.flash_attn_interface import _flash_attn_backward
 
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _flash_attn_backward(
-            grad_out.contiguous(), q, k, v, out.contiguous(), lse, dq, dk, dv,
-            0.0, scale, True, -1, -1, 0.0, None, False,
+            grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), dq, dk, dv,
+            0.0, scale, causal, -1, -1, 0.0, None, False,
         )
         return dq, dk, dv
-    if not q.is_cuda:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)), lse, 0.0, True, scale=scale
+    if q.is_cuda:
+        n_rep = q.shape[2] // k.shape[2]
+        rng = _philox_placeholder(q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep),
+            out.contiguous(), lse.contiguous(), None, None, q.shape[1], k.shape[1],
+            0.0, causal, rng, rng, scale=scale,
         )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    # The CUDA SDPA flash backward needs forward-only bookkeeping tensors that cannot cross the
-    # stage boundary, so this path differentiates a recomputed stage instead.
-    n_rep = q.shape[2] // k.shape[2]
-    with torch.enable_grad():
-        leaves = [
-            t.detach().transpose(1, 2).requires_grad_()
-            for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep))
-        ]
-        recomputed = torch.nn.functional.scaled_dot_product_attention(
-            *leaves, is_causal=True, scale=scale
-        )
-        dq, dk, dv = torch.autograd.grad(recomputed, leaves, grad_out.transpose(1, 2))
-    dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
-    return dq, _sum_kv_grad(dk, n_rep), _sum_kv_grad(dv, n_rep)
+        return dq, _sum_kv_grad(dk, n_rep), _sum_kv_grad(dv, n_rep)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)), lse.contiguous(), 0.0, causal,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# --- document-masked blocks ----------------------------------------------------------------------
+
+
+def _documents_given(q: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> bool:
+    if (q_docs is None) != (k_docs is None):
+        raise ValueError("pass both q_docs and k_docs, or neither")
+    return q_docs is not None and not (is_fake(q_docs) or is_fake(q))
+
+
+def _segments(docs: Tensor) -> list[list[tuple[int, int]]]:
+    """[start, end) of every document, per batch row (only the change points go to the host)."""
+    rows = []
+    length = docs.shape[1]
+    for row in docs:
+        cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+        bounds = [0, *cuts, length]
+        rows.append(list(zip(bounds[:-1], bounds[1:])))
+    return rows
+
+
+def _shared_document(q_docs: Tensor, k_docs: Tensor) -> list[tuple[int, int]]:
+    """Per row of a past block: (queries, keys) = the query prefix and key suffix of the one
+    document that has both, or (0, 0)."""
+    common = k_docs[:, -1:]
+    queries = (q_docs == common).sum(1) * (q_docs[:, :1] == common).squeeze(1)
+    keys = (k_docs == common).sum(1) * (queries > 0)
+    return list(zip(queries.tolist(), keys.tolist()))
+
+
+def _varlen_seqlens(segments: list[list[tuple[int, int]]], length: int, device) -> tuple[Tensor, int]:
+    """cu_seqlens over the batch packed row after row, and the longest document."""
+    bounds = [row * length + start for row, spans in enumerate(segments) for start, _ in spans]
+    bounds.append(len(segments) * length)
+    longest = max(end - start for spans in segments for start, end in spans)
+    return torch.tensor(bounds, dtype=torch.int32, device=device), longest
+
+
+def _flash_varlen_forward(q, k, v, scale, segments):
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+    batch, length, heads, _ = q.shape
+    cu, longest = _varlen_seqlens(segments, length, q.device)
+    out, lse, *_ = _flash_attn_varlen_forward(
+        *(t.flatten(0, 1) for t in (q, k, v)), cu, cu, longest, longest, 0.0, scale, True,
+    )
+    # flash-attn's varlen LSE is (heads, total tokens): back to (B, heads, S).
+    return out.view_as(q), lse.view(heads, batch, length).transpose(0, 1)
+
+
+def _flash_varlen_backward(grad_out, q, k, v, out, lse, scale, segments):
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+    cu, longest = _varlen_seqlens(segments, q.shape[1], q.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _flash_attn_varlen_backward(
+        *(t.flatten(0, 1) for t in (grad_out.contiguous(), q, k, v, out.contiguous())),
+        lse.transpose(0, 1).flatten(1).contiguous(),
+        *(t.flatten(0, 1) for t in (dq, dk, dv)),
+        cu, cu, longest, longest, 0.0, scale, True, -1, -1, 0.0, None, False,
+    )
+    return dq, dk, dv
+
+
+def _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs):
+    if causal:
+        segments = _segments(q_docs)
+        if backend == "flash":
+            return _flash_varlen_forward(q, k, v, scale, segments)
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        for row, spans in enumerate(segments):
+            for start, end in spans:
+                o, l = _dense_forward(*(t[row : row + 1, start:end] for t in (q, k, v)), scale, backend, True)
+                out[row : row + 1, start:end], lse[row : row + 1, :, start:end] = o, l
+        return out, lse
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=torch.float32, device=q.device)
+    for row, (queries, keys) in enumerate(_shared_document(q_docs, k_docs)):
+        if queries:
+            o, l = _dense_forward(
+                q[row : row + 1, :queries], k[row : row + 1, -keys:], v[row : row + 1, -keys:],
+                scale, backend, False,
+            )
+            out[row : row + 1, :queries], lse[row : row + 1, :, :queries] = o, l
+    return out, lse
+
+
+def _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_docs, k_docs):
+    if causal:
+        segments = _segments(q_docs)
+        if backend == "flash":
+            return _flash_varlen_backward(grad_out, q, k, v, out, lse, scale, segments)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for row, spans in enumerate(segments):
+            for start, end in spans:
+                piece = (t[row : row + 1, start:end] for t in (grad_out, q, k, v, out))
+                grads = _dense_backward(*piece, lse[row : row + 1, :, start:end], scale, backend, True)
+                for grad, target in zip(grads, (dq, dk, dv)):
+                    target[row : row + 1, start:end] = grad
+        return dq, dk, dv
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for row, (queries, keys) in enumerate(_shared_document(q_docs, k_docs)):
+        if queries:
+            rows = slice(row, row + 1)
+            grads = _dense_backward(
+                grad_out[rows, :queries], q[rows, :queries], k[rows, -keys:], v[rows, -keys:],
+                out[rows, :queries], lse[rows, :, :queries], scale, backend, False,
+            )
+            dq[rows, :queries], dk[rows, -keys:], dv[rows, -keys:] = grads
+    return dq, dk, dv
+
+
+# --- the contract ------------------------------------------------------------------------------
+
+
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, *,
+    causal: bool = True, q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of one block (module docstring); returns (out (B,Sq,hq,d), lse (B,hq,Sq) float32)."""
+    if _documents_given(q, q_docs, k_docs):
+        return _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs)
+    return _dense_forward(q, k, v, scale, backend, causal)
+
+
+def attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+    backend: str, *, causal: bool = True, q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients w.r.t. q, k, v of one block, from the (final, merged) out and lse."""
+    if _documents_given(q, q_docs, k_docs):
+        return _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_docs, k_docs)
+    return _dense_backward(grad_out, q, k, v, out, lse, scale, backend, causal)

@@ -17,102 +17,58 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
+from .host_store import HostStore, Parked
+
 
 @dataclass
 class _Offloaded:
-    """One saved tensor living in host memory, and its way back."""
+    """One saved block input in host memory, and its place in the step's order."""
 
-    host: torch.Tensor
-    device: torch.device
-    copied_to_host: torch.cuda.Event | None
+    parked: Parked
     index: int
-    on_device: torch.Tensor | None = None
-    copied_to_device: torch.cuda.Event | None = None
 
 
-@dataclass
 class HostOffload:
     """Saved-tensor hooks that park activations in host memory and prefetch them back.
 
     ``host_bytes`` / ``peak_host_bytes`` report the host memory held (pinned buffers included).
+    ``host_device`` is where parked tensors live; the memory planner passes a stand-in it counts
+    as host.
     """
 
-    device: torch.device
-    host_device: torch.device = torch.device("cpu")
-    """Where parked tensors live; the memory planner passes a stand-in it counts as host."""
-    host_bytes: int = 0
-    peak_host_bytes: int = 0
-    _in_flight: list[_Offloaded] = field(default_factory=list)
-    _pool: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
+    def __init__(self, device: torch.device, host_device: torch.device = torch.device("cpu")) -> None:
+        self.store = HostStore(device, host_device)
+        self._in_flight: list[_Offloaded] = []
 
-    def __post_init__(self) -> None:
-        cuda = self.device.type == "cuda"
-        self._to_host = torch.cuda.Stream(self.device) if cuda else None
-        self._to_device = torch.cuda.Stream(self.device) if cuda else None
+    @property
+    def host_bytes(self) -> int:
+        return self.store.host_bytes
 
-    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        key = (tuple(like.shape), like.dtype)
-        free = self._pool.get(key)
-        if free:
-            return free.pop()
-        pinned = self.device.type == "cuda"
-        buffer = torch.empty(like.shape, dtype=like.dtype, device=self.host_device, pin_memory=pinned)
-        self.host_bytes += buffer.nbytes
-        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
-        return buffer
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.store.peak_host_bytes
 
     def pack(self, tensor: torch.Tensor):
-        if tensor.device != self.device or not (tensor.requires_grad or tensor.grad_fn is not None):
+        if tensor.device != self.store.device or not (tensor.requires_grad or tensor.grad_fn is not None):
             return tensor  # a constant (RoPE table, positions) or already on the host
-        host = self._host_buffer(tensor)
-        event = None
-        if self._to_host is not None:
-            self._to_host.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._to_host):
-                host.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self._to_host)  # keep its memory until the copy is done
-                event = torch.cuda.Event()
-                event.record()
-        else:
-            host.copy_(tensor)
-        handle = _Offloaded(host, tensor.device, event, index=len(self._in_flight))
+        handle = _Offloaded(self.store.park(tensor), index=len(self._in_flight))
         self._in_flight.append(handle)
         return handle
-
-    def _fetch(self, handle: _Offloaded) -> None:
-        """Start (CUDA: asynchronously) the copy of ``handle`` back to the device."""
-        if handle.on_device is not None:
-            return
-        if self._to_device is None:  # a real copy even on CPU: the host buffer is reused
-            handle.on_device = handle.host.to(handle.device, copy=True)
-            return
-        with torch.cuda.stream(self._to_device):
-            self._to_device.wait_event(handle.copied_to_host)
-            handle.on_device = handle.host.to(handle.device, non_blocking=True)
-            handle.copied_to_device = torch.cuda.Event()
-            handle.copied_to_device.record()
 
     def unpack(self, handle) -> torch.Tensor:
         if not isinstance(handle, _Offloaded):
             return handle
-        self._fetch(handle)
+        self.store.prefetch(handle.parked)  # queued first: it is needed now
         if handle.index > 0:  # backward runs blocks in reverse: the previous one is next
-            self._fetch(self._in_flight[handle.index - 1])
-        tensor, handle.on_device = handle.on_device, None  # autograd owns it from here on
-        if handle.copied_to_device is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(handle.copied_to_device)
-            tensor.record_stream(current)
-            # The host buffer may be reused once the copy has finished.
-            handle.copied_to_device.synchronize()
-        self._pool.setdefault((tuple(handle.host.shape), handle.host.dtype), []).append(handle.host)
+            self.store.prefetch(self._in_flight[handle.index - 1].parked)
+        tensor = self.store.retrieve(handle.parked, release=True)
         if handle.index == 0:
             self._in_flight.clear()  # the step's last unpack: the next forward starts afresh
         return tensor

@@ -36,13 +36,14 @@ MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
 _STOP = "stop"
 _RULES: tuple[tuple[str, str | None, str], ...] = (
     ("torch/utils/checkpoint.py", "recompute_fn", _STOP),
-    ("upipe_dtensor/parallel/upipe_attention.py", None, ATTENTION),
-    ("upipe_dtensor/parallel/style.py", None, ATTENTION),
+    ("upipe_dtensor/parallel/", None, ATTENTION),  # every CP style, its ops, ring and exchanges
     ("upipe_dtensor/memory/tiled_mlp.py", None, MLP),
     ("torchtitan/models/llama3/model/model.py", "forward", None),  # resolved by qualname below
     ("upipe_dtensor/memory/chunked_loss.py", None, LOSS),
     ("torch/nn/functional.py", "cross_entropy", LOSS),
-    *(("upipe_dtensor/memory/offload.py", name, OFFLOAD) for name in ("pack", "unpack", "_fetch")),
+    # Copies made by the shared host store count for whoever asked: the activation offload here,
+    # the attention for FPDT's K/V chunks (matched by the attention rules above).
+    *(("upipe_dtensor/memory/offload.py", name, OFFLOAD) for name in ("pack", "unpack")),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", None, MODEL_STATES),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", None, MODEL_STATES),
     ("torch/optim/", None, MODEL_STATES),

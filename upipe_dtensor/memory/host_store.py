@@ -1,0 +1,131 @@
+"""Host memory for device tensors: park a tensor in (pinned) host memory, fetch it back later.
+
+Shared by the activation offload (block inputs parked during forward, fetched in backward) and by
+FPDT's chunk offload (earlier K/V chunks parked, fetched one at a time). On CUDA the copies run on
+side streams into pinned buffers pooled by shape, and a fetch can be started early
+(``prefetch``) so it overlaps compute; ``retrieve`` then only waits for it. On CPU the same code
+runs with plain copies. ``host_device`` may be a stand-in (the memory planner uses ``meta``), so
+host memory is counted apart from device memory; ``host_bytes`` / ``peak_host_bytes`` report what
+the pool holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Parked:
+    """One tensor living in host memory, and its way back."""
+
+    host: Tensor
+    device: torch.device
+    copied_to_host: torch.cuda.Event | None
+    on_device: Tensor | None = None
+    copied_to_device: torch.cuda.Event | None = None
+    last_read: torch.cuda.Event | None = None
+
+
+class HostStore:
+    """Parks tensors of ``device`` in ``host_device`` memory; see the module docstring."""
+
+    def __init__(self, device: torch.device, host_device: torch.device = torch.device("cpu")) -> None:
+        self.device, self.host_device = device, host_device
+        self.host_bytes = self.peak_host_bytes = 0
+        self._pool: dict[tuple, list[Tensor]] = {}
+        cuda = device.type == "cuda"
+        self._to_host = torch.cuda.Stream(device) if cuda else None
+        self._to_device = torch.cuda.Stream(device) if cuda else None
+
+    def _host_buffer(self, like: Tensor) -> Tensor:
+        free = self._pool.get((tuple(like.shape), like.dtype))
+        if free:
+            return free.pop()
+        pinned = self.device.type == "cuda"
+        buffer = torch.empty(like.shape, dtype=like.dtype, device=self.host_device, pin_memory=pinned)
+        self.host_bytes += buffer.nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        return buffer
+
+    def park(self, tensor: Tensor) -> Parked:
+        """Copy ``tensor`` to a host buffer (CUDA: on a side stream, not waited for)."""
+        host = self._host_buffer(tensor)
+        event = None
+        if self._to_host is not None:
+            self._to_host.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._to_host):
+                host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self._to_host)  # keep its memory until the copy is done
+                event = torch.cuda.Event()
+                event.record()
+        else:
+            host.copy_(tensor)
+        return Parked(host, tensor.device, event)
+
+    def prefetch(self, parked: Parked) -> None:
+        """Start (CUDA: asynchronously) the copy of ``parked`` back to the device."""
+        if parked.on_device is not None:
+            return
+        if self._to_device is None:  # a real copy even on CPU: the host buffer may be reused
+            parked.on_device = parked.host.to(parked.device, copy=True)
+            return
+        with torch.cuda.stream(self._to_device):
+            self._to_device.wait_event(parked.copied_to_host)
+            parked.on_device = parked.host.to(parked.device, non_blocking=True)
+            parked.copied_to_device = torch.cuda.Event()
+            parked.copied_to_device.record()
+
+    def retrieve(self, parked: Parked, *, release: bool) -> Tensor:
+        """The tensor back on the device (prefetched or copied now). ``release`` returns the host
+        buffer to the pool; otherwise it stays parked and can be retrieved again."""
+        self.prefetch(parked)
+        tensor, parked.on_device = parked.on_device, None  # the caller owns it from here on
+        if parked.copied_to_device is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(parked.copied_to_device)
+            tensor.record_stream(current)
+            parked.last_read, parked.copied_to_device = parked.copied_to_device, None
+        if release:
+            self.release(parked)
+        return tensor
+
+    def release(self, parked: Parked) -> None:
+        """Return the host buffer to the pool (the tensor is not needed again)."""
+        for copy in (parked.copied_to_host, parked.last_read):
+            if copy is not None:  # copies into and out of the buffer must be finished
+                copy.synchronize()
+        self._pool.setdefault((tuple(parked.host.shape), parked.host.dtype), []).append(parked.host)
+
+
+class HostMemory:
+    """One ``HostStore`` per device, registered under a name: custom ops take only tensors and
+    plain values, so an op finds the host memory its style set up by that name."""
+
+    _names = itertools.count()
+
+    def __init__(self, host_device: torch.device = torch.device("cpu")) -> None:
+        self.host_device = host_device
+        self.stores: dict[torch.device, HostStore] = {}
+        self.name = f"host-memory-{next(HostMemory._names)}"
+        _NAMED[self.name] = self
+
+    def store(self, device: torch.device) -> HostStore:
+        if device not in self.stores:
+            self.stores[device] = HostStore(device, self.host_device)
+        return self.stores[device]
+
+
+_NAMED: weakref.WeakValueDictionary[str, HostMemory] = weakref.WeakValueDictionary()
+
+
+def named_host_store(name: str, device: torch.device) -> HostStore:
+    """The store of the ``HostMemory`` called ``name`` for ``device``."""
+    memory = _NAMED.get(name)
+    if memory is None:
+        raise ValueError(f"no host memory named {name!r}: the style that owned it is gone")
+    return memory.store(device)
