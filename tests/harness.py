@@ -63,10 +63,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
-def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous slice of the sequence dimension (dim 1)."""
-    local = t.shape[1] // world_size
-    return t[:, rank * local : (rank + 1) * local]
+def shard(t: torch.Tensor, rank: int, world_size: int, style=None) -> torch.Tensor:
+    """This rank's tokens of the sequence dimension (dim 1): the style's layout
+    (``shard_positions``), or the contiguous slice when no style is given."""
+    if style is None:
+        local = t.shape[1] // world_size
+        return t[:, rank * local : (rank + 1) * local]
+    return t.index_select(1, style.shard_positions(t.shape[1], rank, world_size))
 
 
 def summed_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -82,11 +85,18 @@ def summed_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def gather_sequence(local: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's sequence shard (dim 1) in rank order."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+def gather_sequence(local: torch.Tensor, style=None) -> torch.Tensor:
+    """The whole sequence (dim 1) from every rank's shard: rank order, or each token put back at
+    its global position by the style's ``shard_positions``."""
+    world = dist.get_world_size()
+    parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous())
-    return torch.cat(parts, dim=1)
+    joined = torch.cat(parts, dim=1)
+    if style is None:
+        return joined
+    seq_len = joined.shape[1]
+    positions = torch.cat([style.shard_positions(seq_len, r, world) for r in range(world)])
+    return torch.empty_like(joined).index_copy_(1, positions, joined)
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -1,13 +1,21 @@
-"""UPipe / Ulysses over C gloo ranks == the unsharded torchtitan model: logits and every gradient.
+"""Every CP style over C gloo ranks == the unsharded torchtitan model: logits and every gradient.
 
-Each spawn runs the whole grid for one CP degree C (spawning is the slow part on CPU): MHA and GQA
-(n_rep 2 and 4), fewer KV heads than ranks, U in {C, 2C, H}, sequence lengths that are and are
-not multiples of 2C, default and explicit (per-document) positions.
+Each spawn runs the whole grid for one CP degree C (spawning is the slow part on CPU):
+- UPipe / Ulysses: MHA and GQA (n_rep 2 and 4), fewer KV heads than ranks, U in {C, 2C, H},
+  sequence lengths that are and are not multiples of 2C, explicit (per-document) positions;
+- ring attention: the same geometries and lengths (its zigzag layout takes any S divisible by C);
+- FPDT: 1, 2 and 4 chunks per rank, and UPipe x FPDT (U = C with chunks);
+- 2D (ring x heads): every (R, C/R) the degree allows, U in {C/R, H};
+- document masks for every style, with global and per-document RoPE positions, against the
+  unsharded model run one document at a time.
+In float32 the relative error must be <= 1e-5; in bfloat16 the sharded model may be no less
+accurate against a float32 reference than the unsharded bf16 model (2x its error + 1e-2).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -15,7 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from harness import VOCAB, cast_parameters, gather_sequence, rel_err, run_on_ranks, shard, summed_grads, tiny_llama
-from upipe_dtensor import UlyssesAttention, UPipeAttention
+from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
+from upipe_dtensor.documents import document_positions
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
 
 FP32_TOL = 1e-5
@@ -30,21 +39,115 @@ def geometries(cp: int) -> list[tuple[int, int]]:
     return [g for g in geoms if valid_heads_per_stage(*g, cp)]
 
 
-def cases(cp: int) -> list[dict]:
+def ulysses_cases(cp: int) -> list[dict]:
     out = []
     for n_heads, n_kv in geometries(cp):
         valid = valid_heads_per_stage(n_heads, n_kv, cp)
         for u in sorted({cp, 2 * cp, n_heads} & set(valid)):
             for seq_len in (4 * cp, 5 * cp):  # multiple of 2C, and not
-                out.append(dict(n_heads=n_heads, n_kv=n_kv, u=u, seq_len=seq_len))
+                style = "ulysses" if u == n_heads else "upipe"
+                out.append(dict(style=style, n_heads=n_heads, n_kv=n_kv, u=u, seq_len=seq_len))
     return out
 
 
-def _style(n_heads: int, u: int):
-    return UlyssesAttention() if u == n_heads else UPipeAttention(heads_per_stage=u)
+def ring_cases(cp: int) -> list[dict]:
+    # Ring has no head constraint: also fewer KV heads than ranks without replication.
+    geoms = [(4, 4), (4, 2), (4, 1)]
+    return [dict(style="ring", n_heads=h, n_kv=kv, seq_len=s) for h, kv in geoms for s in (4 * cp, 5 * cp)]
 
 
-def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype, positions: bool) -> dict:
+def fpdt_cases(cp: int) -> list[dict]:
+    out = []
+    for n_heads, n_kv in geometries(cp)[1:3]:  # GQA n_rep 2 and 4
+        for chunks in (1, 2, 4):
+            out.append(dict(style="fpdt", n_heads=n_heads, n_kv=n_kv, chunks=chunks, seq_len=4 * cp))
+    n_heads, n_kv = geometries(cp)[-1]  # fewest KV heads; not a multiple of 2C; UPipe x FPDT
+    out.append(dict(style="fpdt", n_heads=n_heads, n_kv=n_kv, chunks=1, seq_len=5 * cp))
+    out.append(dict(style="fpdt", n_heads=n_heads, n_kv=n_kv, chunks=2, u=cp, seq_len=4 * cp))
+    return out
+
+
+def two_d_cases(cp: int) -> list[dict]:
+    out = []
+    for ring in (r for r in range(2, cp + 1) if cp % r == 0):
+        heads = cp // ring
+        n_heads = 4 * max(heads, 2)
+        for n_kv in sorted({n_heads // 2, max(1, heads // 2)}):
+            for u in sorted({heads, n_heads}):
+                for seq_len in (4 * cp, 5 * cp):
+                    style = "ulysses2d" if u == n_heads else "upipe2d"
+                    out.append(dict(style=style, ring=ring, n_heads=n_heads, n_kv=n_kv, u=u, seq_len=seq_len))
+    return out
+
+
+def document_cases(cp: int) -> list[dict]:
+    """Every style once with documents, in both RoPE position modes."""
+    h = 4 * max(cp, 2)
+    styles = [dict(style="upipe", n_heads=h, n_kv=max(1, cp // 2), u=cp),  # KV heads < C
+              dict(style="ulysses", n_heads=h, n_kv=h // 2, u=h),
+              dict(style="ring", n_heads=4, n_kv=2),
+              dict(style="fpdt", n_heads=h, n_kv=h // 4, chunks=2)]
+    if cp >= 2:
+        styles.append(dict(style="upipe2d", ring=2, n_heads=8, n_kv=2, u=cp // 2))
+    return [s | dict(seq_len=4 * cp, docs=mode) for s in styles for mode in ("global", "document")]
+
+
+def cases(cp: int, dtype: torch.dtype) -> list[dict]:
+    grid = ulysses_cases(cp) + ring_cases(cp) + fpdt_cases(cp) + two_d_cases(cp) + document_cases(cp)
+    if dtype != torch.float32:  # bf16: UPipe/Ulysses in full, the other styles once each
+        seen, subset = set(), []
+        for case in grid:
+            key = case["style"] if case["style"] not in ("upipe", "ulysses") else len(subset)
+            if key not in seen:
+                seen.add(key)
+                subset.append(case)
+        grid = subset
+    return grid
+
+
+def make_style(case: dict):
+    style, u = case["style"], case.get("u")
+    if style in ("upipe", "upipe2d"):
+        return UPipeAttention(heads_per_stage=u)
+    if style in ("ulysses", "ulysses2d"):
+        return UlyssesAttention()
+    if style == "ring":
+        return RingAttention()
+    chunk_tokens = math.ceil(case["seq_len"] / case["chunks"])
+    return FPDTAttention(chunk_tokens=chunk_tokens, heads_per_stage=u)
+
+
+def cp_mesh(case: dict, cp: int):
+    if "ring" in case:
+        return init_device_mesh("cpu", (case["ring"], cp // case["ring"]), mesh_dim_names=("cp_ring", "cp_heads"))
+    return init_device_mesh("cpu", (cp,))
+
+
+def document_ids(seq_len: int) -> torch.Tensor:
+    """Two rows: one-token documents, one straddling rank boundaries, one longer than a shard."""
+    ids = torch.zeros(2, seq_len, dtype=torch.int32)
+    for row, cuts in enumerate(((1, 2, seq_len // 2 + 1), (seq_len - 1,))):
+        for cut in cuts:
+            ids[row, cut:] += 1
+    return ids
+
+
+def _reference_logits(model, tokens, positions, doc_ids):
+    """The unsharded model; with documents, run one document at a time (its own sequence)."""
+    if doc_ids is None:
+        return model(tokens, positions=positions)
+    rows = []
+    for row in range(tokens.shape[0]):
+        pieces, ids = [], doc_ids[row]
+        cuts = [0, *(torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist(), tokens.shape[1]]
+        for start, end in zip(cuts[:-1], cuts[1:]):
+            pos = positions[row : row + 1, start:end]
+            pieces.append(model(tokens[row : row + 1, start:end], positions=pos))
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows)
+
+
+def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype) -> dict:
     seq_len = case["seq_len"]
     reference = tiny_llama(case["n_heads"], case["n_kv"], seq_len)
     model = copy.deepcopy(reference)
@@ -54,31 +157,31 @@ def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype, positions: boo
     torch.manual_seed(1)
     tokens = torch.randint(0, VOCAB, (2, seq_len))
     probe = torch.randn(2, seq_len, VOCAB)
-    full_positions = None
-    if positions:  # two documents per row, positions restart at each document start
-        cut = torch.tensor([[seq_len // 3], [seq_len // 2]])
-        ar = torch.arange(seq_len).expand(2, -1)
-        full_positions = torch.where(ar < cut, ar, ar - cut)
+    doc_ids = document_ids(seq_len) if case.get("docs") else None
+    positions = None
+    if case.get("positions") or case.get("docs") == "document":  # restart at each document start
+        ids = doc_ids if doc_ids is not None else document_ids(seq_len)
+        positions = document_positions(ids)
+    ref_positions = positions if positions is not None else torch.arange(seq_len).expand(2, -1)
 
-    def loss_and_logits(m, toks, pos, prb):
-        logits = m(toks, positions=pos)
+    def loss_and_logits(m, toks, pos, prb, docs=None, reference_run=False):
+        logits = _reference_logits(m, toks, pos, docs) if reference_run else m(toks, attention_masks=docs, positions=pos)
         (logits.float() * prb).sum().backward()
         return logits.detach().float()
 
-    ref_logits = loss_and_logits(reference, tokens, full_positions, probe)
-    mesh = init_device_mesh("cpu", (cp,))
-    parallelize_module(model, mesh, {"layers.*.attention": _style(case["n_heads"], case["u"])})
-    local_pos = None if full_positions is None else shard(full_positions, rank, cp)
-    logits = gather_sequence(
-        loss_and_logits(model, shard(tokens, rank, cp), local_pos, shard(probe, rank, cp))
-    )
+    ref_logits = loss_and_logits(reference, tokens, ref_positions, probe, doc_ids, reference_run=True)
+    style = make_style(case)
+    parallelize_module(model, cp_mesh(case, cp), {"layers.*.attention": style})
+    local_pos = None if positions is None else shard(positions, rank, cp, style)
+    local_logits = loss_and_logits(model, shard(tokens, rank, cp, style), local_pos, shard(probe, rank, cp, style), doc_ids)
+    logits = gather_sequence(local_logits, style)
     grads = summed_grads(model)
     errors = {"logits": rel_err(logits, ref_logits)}
     errors.update({n: rel_err(grads[n], p.grad) for n, p in reference.named_parameters()})
     if dtype == torch.float32:
         return {k: (v, FP32_TOL) for k, v in errors.items()}
     # bf16: the sharded model may be no less accurate than the unsharded one (vs float32 truth).
-    truth_logits = loss_and_logits(truth, tokens, full_positions, probe)
+    truth_logits = loss_and_logits(truth, tokens, ref_positions, probe, doc_ids, reference_run=True)
     result = {"logits": (rel_err(logits, truth_logits), 2 * rel_err(ref_logits, truth_logits) + 1e-2)}
     for n, p in truth.named_parameters():
         ref_grad = dict(reference.named_parameters())[n].grad
@@ -86,26 +189,41 @@ def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype, positions: boo
     return result
 
 
-def _grid(rank: int, cp: int, dtype: torch.dtype) -> None:
+def _grid(rank: int, cp: int, dtype: torch.dtype, grid: list[dict]) -> None:
     failures = []
-    runs = [(c, False) for c in cases(cp)] + [(cases(cp)[0] | {"seq_len": 4 * cp}, True)]
-    for case, positions in runs:
-        for name, (err, tol) in _run_case(rank, cp, case, dtype, positions).items():
+    for case in grid:
+        for name, (err, tol) in _run_case(rank, cp, case, dtype).items():
             if not err <= tol:
-                failures.append(f"{case} positions={positions} {name}: rel err {err:.2e} > {tol:.1e}")
+                failures.append(f"{case} {name}: rel err {err:.2e} > {tol:.1e}")
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_matches_unsharded_model(cp: int, dtype: torch.dtype) -> None:
-    run_on_ranks(cp, _grid, dtype)
+    grid = cases(cp, dtype) + [ulysses_cases(cp)[0] | {"seq_len": 4 * cp, "positions": True}]
+    run_on_ranks(cp, _grid, dtype, grid)
+
+
+def test_three_ranks_ring_and_fpdt() -> None:
+    """C = 3, where the methods allow it: ring (any heads) and FPDT (6 heads over 3 ranks)."""
+    grid = [dict(style="ring", n_heads=4, n_kv=2, seq_len=s) for s in (6, 9)]
+    grid += [dict(style="fpdt", n_heads=6, n_kv=kv, chunks=c, seq_len=12) for kv, c in ((3, 2), (6, 4))]
+    grid += [dict(style="ring", n_heads=4, n_kv=1, seq_len=12, docs="document")]
+    run_on_ranks(3, _grid, torch.float32, grid)
 
 
 def test_grid_covers_the_promised_cases() -> None:
     for cp in (2, 4):
-        grid = cases(cp)
-        assert {c["u"] for c in grid} >= {cp, 2 * cp, 4 * max(cp, 2)}
-        assert any(c["n_kv"] < cp for c in grid)
-        assert {c["n_heads"] // c["n_kv"] for c in grid} >= {1, 2, 4}
-        assert any(c["seq_len"] % (2 * cp) for c in grid)
+        grid = cases(cp, torch.float32)
+        ulysses = [c for c in grid if c["style"] in ("upipe", "ulysses")]
+        assert {c["u"] for c in ulysses} >= {cp, 2 * cp, 4 * max(cp, 2)}
+        assert any(c["n_kv"] < cp for c in ulysses)
+        assert {c["n_heads"] // c["n_kv"] for c in ulysses} >= {1, 2, 4}
+        assert any(c["seq_len"] % (2 * cp) for c in ulysses)
+        assert {c["chunks"] for c in grid if c["style"] == "fpdt"} == {1, 2, 4}
+        assert any(c["n_kv"] < cp for c in grid if c["style"] == "ring")
+        assert {(c["style"], c["docs"]) for c in grid if "docs" in c} >= {
+            (s, m) for s in ("upipe", "ulysses", "ring", "fpdt", "upipe2d") for m in ("global", "document")
+        }
+    assert {c["ring"] for c in two_d_cases(4)} == {2, 4}

@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness import tiny_llama
-from upipe_dtensor import UlyssesAttention, UPipeAttention
+from upipe_dtensor import RingAttention, UlyssesAttention, UPipeAttention
 
 WORLD = 8
 
@@ -40,8 +40,13 @@ def test_heads_must_split_over_ranks(fake_world) -> None:
         _apply(tiny_llama(4, 4, seq_len=64), UlyssesAttention())
 
 
-def test_needs_a_one_dimensional_mesh(fake_world) -> None:
+def test_mesh_dimensions_are_checked(fake_world) -> None:
     with pytest.raises(ValueError, match=r"1-D context-parallel mesh.*mesh\['cp'\]"):
+        _apply(tiny_llama(8, 8, seq_len=64), RingAttention(), shape=(2, 4), names=("dp", "cp"))
+    with pytest.raises(ValueError, match=r"1-D or 2-D context-parallel mesh"):
+        _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention(), shape=(2, 2, 2), names=("a", "b", "c"))
+    # A 2-D mesh is (ring, heads) for UPipe: the (dp, cp) world mesh by mistake is refused.
+    with pytest.raises(ValueError, match=r"must be \('cp_ring', 'cp_heads'\).*got \('dp', 'cp'\)"):
         _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention(), shape=(2, 4), names=("dp", "cp"))
 
 

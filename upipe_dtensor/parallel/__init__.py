@@ -1,5 +1,5 @@
-"""Context-parallel attention: the all-to-all, the UPipe stage loop and the ParallelStyles."""
+"""Context-parallel attention: layouts, the all-to-all, the ring, the UPipe and FPDT ops, and the ParallelStyles."""
 
-from .style import UlyssesAttention, UPipeAttention
+from .style import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
 
-__all__ = ["UPipeAttention", "UlyssesAttention"]
+__all__ = ["UPipeAttention", "UlyssesAttention", "RingAttention", "FPDTAttention"]

@@ -1,7 +1,9 @@
-"""``UPipeAttention`` and ``UlyssesAttention``: context-parallel styles for Llama3 attention.
+"""Context-parallel styles for Llama3 attention: UPipe, Ulysses, ring attention and FPDT.
 
 Applied with ``parallelize_module(model, cp_mesh, {"layers.*.attention": UPipeAttention()})`` to
-torchtitan's Llama3 ``Attention``. Unlike PyTorch's tensor-parallel styles, the parameters stay
+torchtitan's Llama3 ``Attention``. Every style exposes ``shard_positions(seq_len, cp_rank,
+cp_size)``, the tokens each rank feeds in the order its module expects, and accepts a document
+mask; all of them run through the same all-to-all, kernels, ring and host-memory pieces. Unlike PyTorch's tensor-parallel styles, the parameters stay
 plain tensors, replicated over the CP mesh: the style changes how activations are laid out, not
 how weights are, so ``fully_shard`` applied afterwards owns the parameters as usual.
 """
@@ -19,36 +21,112 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..kernels.attention import BACKENDS
 from ..kernels.rope import rope_table
+from ..memory.host_store import HostMemory
+from .fpdt_attention import fpdt_attention
 from .head_schedule import make_head_schedule
-from .layouts import contiguous_positions
+from .layouts import chunk_count, chunked_positions, contiguous_positions, two_d_positions
 from .upipe_attention import upipe_attention
 
 
 @dataclass(frozen=True)
-class _CPAttentionPlan:
-    group_name: str
+class _Axes:
+    """The CP mesh as the attention ops see it: a head axis (all-to-all) and a ring axis (p2p)."""
+
+    head_group: str
+    head_size: int
+    ring_group: str
+    ring_size: int
     cp_rank: int
-    cp_size: int
-    heads_per_stage: int
-    backend: str
-    style: "UPipeAttention"
+    """Rank in the whole CP group, ring-major: ring_rank * head_size + head_rank."""
+
+    @property
+    def cp_size(self) -> int:
+        return self.head_size * self.ring_size
 
 
-class UPipeAttention(ParallelStyle):
+_TWO_D_NAMES = ("cp_ring", "cp_heads")
+
+
+def _group_name(mesh: DeviceMesh, dim: int) -> str:
+    return mesh.get_group(dim).group_name if mesh.size(dim) > 1 else ""
+
+
+class _ContextParallelAttention(ParallelStyle):
+    """What every CP style shares: module checks, the mesh, positions, RoPE and documents.
+
+    Subclasses say how the mesh maps to head and ring axes (``_axes``), which tokens a rank holds
+    (``shard_positions``) and which op runs the attention (``_attend``).
+    """
+
+    def __init__(self, *, backend: str = "auto") -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        self.backend = backend
+
+    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+        """The global token indices rank ``cp_rank`` of ``cp_size`` feeds, in module order."""
+        raise NotImplementedError
+
+    def _axes(self, mesh: DeviceMesh) -> _Axes:
+        """A 1-D mesh is the head (all-to-all) axis."""
+        _require_mesh_dims(self, mesh, (1,))
+        return _Axes(_group_name(mesh, 0), mesh.size(), "", 1, mesh.get_local_rank())
+
+    def _check_geometry(self, module: nn.Module, axes: _Axes) -> None:
+        make_head_schedule(
+            module.n_heads, module.n_kv_heads, axes.head_size,
+            self._stage_size(module.n_heads, axes.head_size),
+        )
+
+    def _stage_size(self, n_heads: int, head_size: int) -> int:
+        return n_heads
+
+    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
+        raise NotImplementedError
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_attention_module(module)
+        axes = self._axes(device_mesh)
+        self._check_geometry(module, axes)
+        module.forward = functools.partial(_cp_attention_forward, module, self, axes)
+        return module
+
+
+def _require_mesh_dims(style: ParallelStyle, mesh: DeviceMesh, allowed: tuple[int, ...]) -> None:
+    if mesh.ndim not in allowed:
+        shapes = " or ".join(f"{n}-D" for n in allowed)
+        raise ValueError(
+            f"{type(style).__name__} needs a {shapes} context-parallel mesh, got {mesh.ndim}-D "
+            f"{mesh.mesh_dim_names}; pass the cp dimension(s), e.g. mesh['cp']"
+            + (" or mesh['cp_ring', 'cp_heads']" if 2 in allowed else "")
+        )
+
+
+class UPipeAttention(_ContextParallelAttention):
     """Ulysses context parallelism run a few query heads at a time (UPipe, arXiv 2602.21196).
 
-    The module's input is this rank's contiguous sequence shard ``[r*S/C, (r+1)*S/C)``, shape
-    (B, S/C, D), and so is its output: only the attention in between sees the whole sequence, for
-    ``heads_per_stage / C`` heads at a time. RoPE uses global positions: derived from the rank when
-    ``positions`` is None, else the given (1, S/C) or (B, S/C) global indices. Outputs and
-    gradients equal the unsharded model's (same weights, same GQA pairing), up to rounding.
+    On a 1-D CP mesh the module's input is this rank's contiguous sequence shard
+    ``[r*S/C, (r+1)*S/C)``, shape (B, S/C, D), and so is its output: only the attention in between
+    sees the whole sequence, for ``heads_per_stage / C`` heads at a time. On a 2-D
+    ``(cp_ring, cp_heads)`` mesh (ring across nodes, heads inside a node, heads innermost) each
+    stage's all-to-all runs over the head axis and its attention as ring attention over the ring
+    axis (2D UPipe; with ``UlyssesAttention``, the USP hybrid); the layout is then
+    ``layouts.two_d_positions`` (zigzag over the ring, contiguous inside the head group).
+
+    RoPE uses global positions: derived from ``shard_positions`` when ``positions`` is None, else
+    the given (1, S/C) or (B, S/C) global indices. ``attention_masks`` is None (causal) or the
+    (B, S) int document ids of the whole sequence (``documents.document_ids``): a token then sees
+    only earlier tokens of its own document. Outputs and gradients equal the unsharded model's
+    (same weights, same GQA pairing), up to rounding.
 
     Keyword Args:
-        heads_per_stage (int, optional): U, the query heads exchanged per stage, across all ranks.
-            A multiple of the CP degree C that divides n_heads. ``None`` means U = C: one head per
-            rank per stage, the smallest attention memory. U = n_heads is classic Ulysses.
+        heads_per_stage (int, optional): U, the query heads exchanged per stage, across the head
+            axis. A multiple of the head-axis degree that divides n_heads. ``None`` means U = the
+            head-axis degree: one head per rank per stage, the smallest attention memory.
+            U = n_heads is classic Ulysses.
         backend (str): local attention kernel: "auto" (flash-attn on CUDA if installed, else
-            PyTorch SDPA), "flash" or "sdpa".
+            PyTorch's flash kernels), "flash" or "sdpa".
 
     Example::
         >>> from torch.distributed.tensor.parallel import parallelize_module
@@ -57,55 +135,143 @@ class UPipeAttention(ParallelStyle):
     """
 
     def __init__(self, *, heads_per_stage: int | None = None, backend: str = "auto") -> None:
-        super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        super().__init__(backend=backend)
         self.heads_per_stage = heads_per_stage
-        self.backend = backend
+        self.ring_degree = 1
+        """The ring axis of the mesh this style was last applied to (1 on a 1-D mesh)."""
 
     def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
-        """The global token indices rank ``cp_rank`` of ``cp_size`` feeds, in the order the module
-        expects: the contiguous slice ``[r*S/C, (r+1)*S/C)``."""
-        return contiguous_positions(seq_len, cp_rank, cp_size)
+        """Contiguous ``[r*S/C, (r+1)*S/C)`` on a 1-D mesh; on a 2-D mesh, rank
+        ``ring_rank * (C/R) + head_rank`` holds its slice of the ring rank's zigzag tokens."""
+        if self.ring_degree == 1:
+            return contiguous_positions(seq_len, cp_rank, cp_size)
+        return two_d_positions(seq_len, cp_rank, cp_size, self.ring_degree)
 
-    def _stage_size(self, n_heads: int, cp_size: int) -> int:
-        return cp_size if self.heads_per_stage is None else self.heads_per_stage
+    def _stage_size(self, n_heads: int, head_size: int) -> int:
+        return head_size if self.heads_per_stage is None else self.heads_per_stage
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_attention_module(module)
-        if device_mesh.ndim != 1:
+    def _axes(self, mesh: DeviceMesh) -> _Axes:
+        _require_mesh_dims(self, mesh, (1, 2))
+        if mesh.ndim == 1:
+            axes = super()._axes(mesh)
+        elif mesh.mesh_dim_names != _TWO_D_NAMES:
             raise ValueError(
-                f"{type(self).__name__} needs a 1-D context-parallel mesh, got "
-                f"{device_mesh.ndim}-D {device_mesh.mesh_dim_names}; pass the cp dimension, "
-                f"e.g. mesh['cp']"
+                f"a 2-D mesh for {type(self).__name__} must be {_TWO_D_NAMES} (ring across nodes, "
+                f"heads inside a node), got {mesh.mesh_dim_names}; pass mesh['cp'] for 1-D CP or "
+                f"mesh['cp_ring', 'cp_heads'] for 2D"
             )
-        cp_size = device_mesh.size()
-        heads_per_stage = self._stage_size(module.n_heads, cp_size)
-        make_head_schedule(module.n_heads, module.n_kv_heads, cp_size, heads_per_stage)
-        plan = _CPAttentionPlan(
-            group_name=device_mesh.get_group().group_name,
-            cp_rank=device_mesh.get_local_rank(),
-            cp_size=cp_size,
-            heads_per_stage=heads_per_stage,
+        else:  # (ring, heads), heads innermost
+            ring_rank, head_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
+            axes = _Axes(
+                _group_name(mesh, 1), mesh.size(1), _group_name(mesh, 0), mesh.size(0),
+                ring_rank * mesh.size(1) + head_rank,
+            )
+        self.ring_degree = axes.ring_size
+        return axes
+
+    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
+        return upipe_attention(
+            x, module.wq.weight, module.wk.weight, module.wv.weight, rope, doc_ids=doc_ids,
+            group_name=axes.head_group, cp_size=axes.head_size,
+            ring_group_name=axes.ring_group, ring_size=axes.ring_size,
+            head_dim=module.head_dim,
+            heads_per_stage=self._stage_size(module.n_heads, axes.head_size),
             backend=self.backend,
-            style=self,
         )
-        module.forward = functools.partial(_cp_attention_forward, module, plan)
-        return module
 
 
 class UlyssesAttention(UPipeAttention):
     """Classic DeepSpeed-Ulysses: every head in one stage (``UPipeAttention`` with U = n_heads).
 
-    Same contract and code path as ``UPipeAttention``; kept as its own style so baselines and
-    recipes name what they run.
+    Same contract and code path as ``UPipeAttention`` (on a 2-D mesh: the USP hybrid, Ulysses
+    inside a node x ring across nodes); kept as its own style so baselines and recipes name what
+    they run.
     """
 
     def __init__(self, *, backend: str = "auto") -> None:
         super().__init__(backend=backend)
 
-    def _stage_size(self, n_heads: int, cp_size: int) -> int:
+    def _stage_size(self, n_heads: int, head_size: int) -> int:
         return n_heads
+
+
+class RingAttention(_ContextParallelAttention):
+    """Ring attention over the CP mesh, load-balanced for causal attention.
+
+    Each rank holds two chunks of the sequence cut into 2C chunks, chunk r and chunk 2C-1-r
+    (``layouts.ring_positions``; any S divisible by C), projects Q/K/V for all its tokens and heads,
+    and passes K/V around the ring, merging the partial results exactly through their
+    log-sum-exp (``parallel.ring``). Any number of KV heads works (no head-count limit). Same
+    positions, document-mask and numerics contract as ``UPipeAttention``.
+
+    Keyword Args:
+        backend (str): local attention kernel, as for ``UPipeAttention``.
+    """
+
+    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+        """Rank r holds chunks r and 2C-1-r of 2C (the zigzag pairing)."""
+        return two_d_positions(seq_len, cp_rank, cp_size, cp_size)
+
+    def _axes(self, mesh: DeviceMesh) -> _Axes:
+        """The 1-D mesh is the ring; there is no head axis."""
+        _require_mesh_dims(self, mesh, (1,))
+        return _Axes("", 1, _group_name(mesh, 0), mesh.size(), mesh.get_local_rank())
+
+    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
+        return upipe_attention(
+            x, module.wq.weight, module.wk.weight, module.wv.weight, rope, doc_ids=doc_ids,
+            group_name="", cp_size=1, ring_group_name=axes.ring_group, ring_size=axes.ring_size,
+            head_dim=module.head_dim, heads_per_stage=module.n_heads, backend=self.backend,
+        )
+
+
+class FPDTAttention(_ContextParallelAttention):
+    """FPDT (arXiv 2408.16978): Ulysses attention over sequence chunks, earlier K/V on the host.
+
+    Each rank's shard is ``ceil(S / chunk_tokens)`` chunks in FPDT's chunk-strided layout
+    (``layouts.chunked_positions``): the all-to-all of chunk i gathers global chunk i of at most
+    ``chunk_tokens`` tokens; its queries attend to it and to every earlier chunk, fetched back from
+    host memory one at a time and merged through the log-sum-exp (``parallel.fpdt_attention``).
+    Device memory for attention does not grow with the number of chunks. Same positions,
+    document-mask and numerics contract as ``UPipeAttention``.
+
+    Keyword Args:
+        chunk_tokens (int): tokens per global chunk (after the all-to-all); at least the CP degree.
+        heads_per_stage (int, optional): query heads per stage; ``None`` is all heads (FPDT as
+            published); fewer is UPipe x FPDT, heads and sequence both chunked.
+        backend (str): local attention kernel, as for ``UPipeAttention``.
+        host_device (torch.device): where earlier chunks are parked (pinned on CUDA); the memory
+            planner passes a stand-in it counts as host memory.
+    """
+
+    def __init__(
+        self, *, chunk_tokens: int, heads_per_stage: int | None = None, backend: str = "auto",
+        host_device: torch.device = torch.device("cpu"),
+    ) -> None:
+        super().__init__(backend=backend)
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.heads_per_stage = heads_per_stage
+        self.host = HostMemory(host_device)
+
+    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+        """Rank r's chunk i is global piece i*C + r (FPDT's Figure 6)."""
+        chunks = chunk_count(seq_len, cp_size, self.chunk_tokens)
+        return chunked_positions(seq_len, cp_rank, cp_size, chunks)
+
+    def _stage_size(self, n_heads: int, head_size: int) -> int:
+        return n_heads if self.heads_per_stage is None else self.heads_per_stage
+
+    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
+        seq_len = x.shape[1] * axes.cp_size
+        return fpdt_attention(
+            x, module.wq.weight, module.wk.weight, module.wv.weight, rope, doc_ids=doc_ids,
+            group_name=axes.head_group, cp_size=axes.head_size, head_dim=module.head_dim,
+            heads_per_stage=self._stage_size(module.n_heads, axes.head_size),
+            chunks=chunk_count(seq_len, axes.cp_size, self.chunk_tokens),
+            store_name=self.host.name, backend=self.backend,
+        )
 
 
 def _check_attention_module(module: nn.Module) -> None:
@@ -119,8 +285,9 @@ def _check_attention_module(module: nn.Module) -> None:
         )
     if getattr(module, "attn_type", "sdpa") != "sdpa":
         raise ValueError(
-            f"attention with attn_type={module.attn_type!r} is not supported by UPipe, which runs "
-            f"plain causal attention; build the model with attn_type='sdpa'"
+            f"attention with attn_type={module.attn_type!r} is not supported: the context-parallel "
+            f"styles run their own attention (causal, or document-masked through "
+            f"attention_masks); build the model with attn_type='sdpa'"
         )
     for name in ("wq", "wk", "wv"):
         if isinstance(getattr(module, name).weight, DTensor):
@@ -134,25 +301,26 @@ def _check_attention_module(module: nn.Module) -> None:
 
 def _cp_attention_forward(
     module: nn.Module,
-    plan: _CPAttentionPlan,
+    style: _ContextParallelAttention,
+    axes: _Axes,
     x: Tensor,
     freqs_cis: Tensor,
-    attention_masks: object | None = None,
+    attention_masks: Tensor | None = None,
     positions: Tensor | None = None,
 ) -> Tensor:
     """Drop-in for torchtitan ``Attention.forward`` on a sequence shard."""
-    if attention_masks is not None:
-        raise ValueError("UPipe runs causal attention over the whole sequence; masks are not supported")
     local_len = x.shape[1]
+    seq_len = local_len * axes.cp_size
+    if attention_masks is not None:
+        _check_document_ids(attention_masks, x.shape[0], seq_len)
     if positions is None:
-        seq_len = local_len * plan.cp_size
         if freqs_cis.is_complex() and seq_len > freqs_cis.shape[0]:  # a torchtitan position table
             raise ValueError(
-                f"sequence length {seq_len} (= {local_len} local tokens x cp {plan.cp_size}) "
+                f"sequence length {seq_len} (= {local_len} local tokens x cp {axes.cp_size}) "
                 f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "
                 f"model with max_seq_len >= {seq_len}"
             )
-        positions = plan.style.shard_positions(seq_len, plan.cp_rank, plan.cp_size).to(x.device)
+        positions = style.shard_positions(seq_len, axes.cp_rank, axes.cp_size).to(x.device)
     elif positions.shape[-1] != local_len or positions.dim() != 2:
         raise ValueError(
             f"positions must be (1, {local_len}) or (B, {local_len}) global indices of this "
@@ -160,16 +328,14 @@ def _cp_attention_forward(
         )
     elif positions.shape[0] == 1:
         positions = positions[0]
-    out = upipe_attention(
-        x,
-        module.wq.weight,
-        module.wk.weight,
-        module.wv.weight,
-        rope_table(freqs_cis, positions),
-        group_name=plan.group_name,
-        cp_size=plan.cp_size,
-        head_dim=module.head_dim,
-        heads_per_stage=plan.heads_per_stage,
-        backend=plan.backend,
-    )
+    out = style._attend(module, axes, x, rope_table(freqs_cis, positions), attention_masks)
     return module.wo(out)
+
+
+def _check_document_ids(doc_ids: object, batch: int, seq_len: int) -> None:
+    if not isinstance(doc_ids, Tensor) or doc_ids.shape != (batch, seq_len) or doc_ids.is_floating_point():
+        shape = tuple(doc_ids.shape) if isinstance(doc_ids, Tensor) else type(doc_ids).__name__
+        raise ValueError(
+            f"attention_masks must be None (causal) or the ({batch}, {seq_len}) integer document "
+            f"ids of the whole sequence (upipe_dtensor.documents.document_ids), got {shape}"
+        )

@@ -1,0 +1,309 @@
+"""FPDT (Fully Pipelined Distributed Transformer, arXiv 2408.16978): Ulysses attention run one
+sequence chunk at a time, with the earlier chunks' K/V in host memory.
+
+The local shard ``x`` (B, S/C, D) is u chunks in the chunk-strided layout of
+``layouts.chunked_positions`` (the paper's Figure 6): rank r's chunk i is global piece i*C + r, so
+the all-to-all of chunk i gathers one contiguous global range and causality holds chunk by chunk.
+For each head stage (one stage of all H heads is FPDT as published; U < H stages are UPipe x
+FPDT, heads and sequence both chunked) and each chunk i:
+
+    q_i, k_i, v_i = all_to_all(rope(x_i @ w.T))       (B, S/u, U/C, d)  global chunk i, own heads
+    o_i, lse_i    = causal(q_i, k_i, v_i)              the diagonal block
+    for j < i:      fetch k_j, v_j from the host        one earlier chunk on the device at a time
+                    (o_i, lse_i) <- merge with full(q_i, k_j, v_j)     online softmax, float32
+    park k_i, v_i on the host; out[chunk i, stage heads] = all_to_all(o_i)
+
+Backward follows the paper's order (section 4.2): first every chunk's q, o and dO are exchanged to
+the head layout and parked on the host; then the outer loop runs over K/V chunks j and the inner
+loop over query chunks i >= j, so dK_j, dV_j are final after one inner loop and dQ_i after the
+outer step j = i; each final gradient goes straight back through its all-to-all into dx and the
+weight gradients. Partial dQ (and, for KV blocks shared by several stages, partial dK/dV) wait on
+the host. The next chunk is prefetched while the current one computes (side-stream copies into
+pinned buffers on CUDA, through the shared ``memory.host_store``; plain copies on CPU).
+
+Like UPipe (and unlike DeepSpeed's FPDT) the op saves only x, the output and the LSEs and
+re-projects each chunk in backward: under full activation checkpointing, which every long-context
+recipe uses, saved chunks would be discarded and recomputed anyway, and nothing of a layer stays
+on the host between its forward and backward.
+
+Memory bound (per rank, N = B*S/C local tokens, c = N/u tokens per chunk, per-rank heads h = U/C):
+  device: the output buffer (N*H*d) and, for one chunk, q, k, v, o and their all-to-all buffers
+          (~c*U*d each, local and gathered), one fetched earlier K/V chunk (+ the next in flight),
+          the float32 running output of the chunk; in backward one query chunk's q, o, dO, dQ and
+          one K/V chunk's k, v and float32 dK, dV. None of it grows with the number of chunks.
+  host  : the K/V chunks of the current KV block (2*N*C*k*d), and in backward q, o, dO and
+          partial dQ of the stage (~4*N*U*d) plus partial dK/dV between the stages of a block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels.attention import attention_backward, attention_forward, resolve_backend
+from ..kernels.merge import PartialAttention
+from ..kernels.op_mode import OpSpec, call
+from ..memory.host_store import HostStore, Parked, named_host_store
+from .layouts import split_lengths
+from .projections import AttentionProjections
+
+
+class _Chunks:
+    """The per-call constants: one ``AttentionProjections`` per chunk, and where each chunk sits
+    in the local shard and in the global sequence."""
+
+    def __init__(self, x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks) -> None:
+        self.local = []  # [start, end) of each chunk in the local shard
+        self.gathered = []  # [start, end) of each chunk in the global sequence (after the all-to-all)
+        start = 0
+        for length in split_lengths(x.shape[1], chunks):
+            self.local.append(slice(start, start + length))
+            self.gathered.append(slice(start * cp_size, (start + length) * cp_size))
+            start += length
+        self.spans = [
+            AttentionProjections(x[:, rows], wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage)
+            for rows in self.local
+        ]
+        self.schedule = self.spans[0].schedule
+
+
+def _rows(table: Tensor, rows: slice) -> Tensor:
+    """Token rows of a RoPE table, (S, d/2, 2) or (B, S, d/2, 2)."""
+    return table[rows] if table.dim() == 3 else table[:, rows]
+
+
+def _docs(doc_ids: Tensor | None, rows: slice) -> Tensor | None:
+    return None if doc_ids is None else doc_ids[:, rows]
+
+
+class _Parking:
+    """Chunk tensors in host memory, or kept on the device when there is only one chunk."""
+
+    def __init__(self, store: HostStore | None) -> None:
+        self.store = store
+        self.slots: dict[object, Tensor | Parked] = {}
+
+    def put(self, key: object, tensor: Tensor) -> None:
+        self.slots[key] = tensor if self.store is None else self.store.park(tensor)
+
+    def prefetch(self, *keys: object) -> None:
+        for key in keys:
+            if self.store is not None and key in self.slots:
+                self.store.prefetch(self.slots[key])
+
+    def get(self, key: object, *, release: bool) -> Tensor:
+        held = self.slots.pop(key) if release else self.slots[key]
+        return held if self.store is None else self.store.retrieve(held, release=release)
+
+    def clear(self) -> None:
+        for held in self.slots.values():
+            if self.store is not None:
+                self.store.release(held)
+        self.slots.clear()
+
+
+def fpdt_forward(
+    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor, doc_ids: Tensor | None,
+    group_name: str, cp_size: int, head_dim: int, heads_per_stage: int, chunks: int,
+    scale: float, backend: str, store_name: str,
+) -> tuple[Tensor, Tensor]:
+    """The chunk loop; returns (out (B, S/C, H*d), lse (stages, B, U/C, S) float32)."""
+    layer = _Chunks(x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks)
+    schedule, backend = layer.schedule, resolve_backend(backend, x.device)
+    parking = _Parking(named_host_store(store_name, x.device) if chunks > 1 else None)
+    out = x.new_empty(x.shape[0], x.shape[1], schedule.n_heads, head_dim)
+    lse = x.new_empty(
+        len(schedule.stages), x.shape[0], schedule.query_heads_per_rank, x.shape[1] * cp_size,
+        dtype=torch.float32,
+    )
+    for index, stage in enumerate(schedule.stages):
+        for i, span in enumerate(layer.spans):
+            rope_i, docs_i = _rows(rope, layer.local[i]), _docs(doc_ids, layer.gathered[i])
+            if stage.opens_kv_block:
+                k_i, v_i = span.kv_for_block(stage.kv_block, rope_i)
+                parking.put(("k", i), k_i)
+                parking.put(("v", i), v_i)
+            else:
+                k_i, v_i = parking.get(("k", i), release=False), parking.get(("v", i), release=False)
+            q_i = span.query_for_stage(stage, rope_i)
+            partial = PartialAttention(*attention_forward(
+                q_i, k_i, v_i, scale, backend, causal=True, q_docs=docs_i, k_docs=docs_i
+            ))
+            del k_i, v_i
+            for j in range(i):
+                k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
+                if j + 1 < i:  # the next earlier chunk travels while this one computes
+                    parking.prefetch(("k", j + 1), ("v", j + 1))
+                partial.add(*attention_forward(
+                    q_i, k_j, v_j, scale, backend, causal=False,
+                    q_docs=docs_i, k_docs=_docs(doc_ids, layer.gathered[j]),
+                ))
+                del k_j, v_j
+            o_i, lse[index, :, :, layer.gathered[i]] = partial.result(x.dtype)
+            del q_i, partial
+            span.write_stage(out[:, layer.local[i]], stage, span.to_sequence(o_i))
+            del o_i
+        if stage.closes_kv_block:
+            parking.clear()
+    return out.view(x.shape[0], x.shape[1], -1), lse
+
+
+def fpdt_backward(
+    grad_out: Tensor, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor,
+    doc_ids: Tensor | None, out: Tensor, lse: Tensor, group_name: str, cp_size: int,
+    head_dim: int, heads_per_stage: int, chunks: int, scale: float, backend: str, store_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The paper's backward order per stage; returns (dx, dwq, dwk, dwv)."""
+    layer = _Chunks(x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks)
+    schedule, backend = layer.schedule, resolve_backend(backend, x.device)
+    parking = _Parking(named_host_store(store_name, x.device) if chunks > 1 else None)
+    heads_shape = (x.shape[0], x.shape[1], schedule.n_heads, head_dim)
+    out, grad_out = out.view(heads_shape), grad_out.reshape(heads_shape)
+    grad_x = torch.zeros_like(x)
+    grad_wq, grad_wk, grad_wv = (torch.zeros_like(w).view(-1, head_dim, x.shape[-1]) for w in (wq, wk, wv))
+    count = len(layer.spans)
+
+    for index, stage in enumerate(schedule.stages):
+        for i, span in enumerate(layer.spans):  # every chunk to the head layout, parked
+            rope_i = _rows(rope, layer.local[i])
+            if stage.opens_kv_block:
+                k_i, v_i = span.kv_for_block(stage.kv_block, rope_i)
+                parking.put(("k", i), k_i)
+                parking.put(("v", i), v_i)
+                del k_i, v_i
+            parking.put(("q", i), span.query_for_stage(stage, rope_i))
+            parking.put(("o", i), span.to_heads(span.read_stage(out[:, layer.local[i]], stage)))
+            parking.put(("do", i), span.to_heads(span.read_stage(grad_out[:, layer.local[i]], stage)))
+
+        for j, span_j in enumerate(layer.spans):  # outer: K/V chunks
+            k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
+            if stage.opens_kv_block:
+                grad_k_j = torch.zeros_like(k_j, dtype=torch.float32)
+                grad_v_j = torch.zeros_like(v_j, dtype=torch.float32)
+            else:
+                grad_k_j = parking.get(("dk", j), release=True)
+                grad_v_j = parking.get(("dv", j), release=True)
+            for i in range(j, count):  # inner: query chunks that see chunk j
+                q_i = parking.get(("q", i), release=i == j)
+                o_i = parking.get(("o", i), release=i == j)
+                do_i = parking.get(("do", i), release=i == j)
+                grad_q_i = (torch.zeros_like(q_i, dtype=torch.float32) if j == 0
+                            else parking.get(("dq", i), release=True))
+                if i + 1 < count:  # the next query chunk travels while this one computes
+                    parking.prefetch(("q", i + 1), ("o", i + 1), ("do", i + 1), ("dq", i + 1))
+                dq, dk, dv = attention_backward(
+                    do_i, q_i, k_j, v_j, o_i, lse[index, :, :, layer.gathered[i]], scale, backend,
+                    causal=i == j, q_docs=_docs(doc_ids, layer.gathered[i]),
+                    k_docs=_docs(doc_ids, layer.gathered[j]),
+                )
+                del q_i, o_i, do_i
+                grad_q_i += dq
+                grad_k_j += dk
+                grad_v_j += dv
+                del dq, dk, dv
+                if i == j:  # every key chunk of query chunk i is done: dQ_i is final
+                    span_j.query_backward(
+                        grad_q_i.to(x.dtype), stage, _rows(rope, layer.local[i]),
+                        grad_x[:, layer.local[i]], grad_wq,
+                    )
+                else:
+                    parking.put(("dq", i), grad_q_i)
+                del grad_q_i
+            del k_j, v_j
+            if stage.closes_kv_block:
+                span_j.kv_backward(
+                    grad_k_j, grad_v_j, stage.kv_block, _rows(rope, layer.local[j]),
+                    grad_x[:, layer.local[j]], grad_wk, grad_wv,
+                )
+            else:  # later stages of this KV block add to the same dK/dV
+                parking.put(("dk", j), grad_k_j)
+                parking.put(("dv", j), grad_v_j)
+            del grad_k_j, grad_v_j
+        if stage.closes_kv_block:
+            parking.clear()
+    return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv)
+
+
+# --- registration: one opaque op pair, so torch.compile sees a single node per layer ---------
+
+
+@torch.library.custom_op("upipe::fpdt_fwd", mutates_args=())
+def _fpdt_fwd(
+    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor, doc_ids: Tensor | None,
+    group_name: str, cp_size: int, head_dim: int, heads_per_stage: int, chunks: int,
+    scale: float, backend: str, store_name: str,
+) -> tuple[Tensor, Tensor]:
+    return fpdt_forward(
+        x, wq, wk, wv, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage, chunks,
+        scale, backend, store_name,
+    )
+
+
+@_fpdt_fwd.register_fake
+def _(x, wq, wk, wv, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage, chunks,
+      scale, backend, store_name):
+    batch, local_len, _ = x.shape
+    n_stages = wq.shape[0] // head_dim // heads_per_stage
+    out = x.new_empty(batch, local_len, wq.shape[0])
+    lse = x.new_empty(
+        n_stages, batch, heads_per_stage // cp_size, local_len * cp_size, dtype=torch.float32
+    )
+    return out, lse
+
+
+@torch.library.custom_op("upipe::fpdt_bwd", mutates_args=())
+def _fpdt_bwd(
+    grad_out: Tensor, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor,
+    doc_ids: Tensor | None, out: Tensor, lse: Tensor, group_name: str, cp_size: int,
+    head_dim: int, heads_per_stage: int, chunks: int, scale: float, backend: str, store_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return fpdt_backward(
+        grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, group_name, cp_size, head_dim,
+        heads_per_stage, chunks, scale, backend, store_name,
+    )
+
+
+@_fpdt_bwd.register_fake
+def _(grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, *args):
+    return torch.empty_like(x), torch.empty_like(wq), torch.empty_like(wk), torch.empty_like(wv)
+
+
+_CONSTANTS = (
+    "group_name", "cp_size", "head_dim", "heads_per_stage", "chunks", "scale", "backend",
+    "store_name",
+)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, wq, wk, wv, rope, doc_ids, *constants = inputs
+    out, lse = output
+    ctx.save_for_backward(x, wq, wk, wv, rope, doc_ids, out, lse)
+    ctx.constants = constants
+
+
+def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
+    x, wq, wk, wv, rope, doc_ids, out, lse = ctx.saved_tensors
+    grad_x, grad_wq, grad_wk, grad_wv = call(
+        _BACKWARD, grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, *ctx.constants
+    )
+    return (grad_x, grad_wq, grad_wk, grad_wv) + (None,) * (2 + len(_CONSTANTS))
+
+
+_fpdt_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FORWARD = OpSpec(_fpdt_fwd, fpdt_forward, _setup_context, _backward)
+_BACKWARD = OpSpec(_fpdt_bwd, fpdt_backward)
+
+
+def fpdt_attention(
+    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor, *,
+    doc_ids: Tensor | None = None, group_name: str, cp_size: int, head_dim: int,
+    heads_per_stage: int, chunks: int, store_name: str, scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Differentiable FPDT attention (pre-``wo`` output) of a chunk-strided shard; see the module
+    docstring. ``store_name`` names the host store (``memory.host_store.named_host_store``) for parked chunks."""
+    out, _ = call(
+        _FORWARD, x, wq, wk, wv, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage,
+        chunks, head_dim**-0.5 if scale is None else scale, backend, store_name,
+    )
+    return out

@@ -1,0 +1,162 @@
+"""The head-stage plumbing every Ulysses-family op shares: project a stage's heads from the local
+shard, rotate them, exchange them between the sequence and head layouts, and write results back.
+
+``AttentionProjections`` holds the per-call constants of one attention layer (head schedule,
+process groups, shapes, weight views) for a span of the local sequence: the whole shard (UPipe,
+Ulysses, ring) or one sequence chunk of it (FPDT). Query head ``h`` always uses KV head
+``h // n_rep`` (the model's own GQA grouping); stages that are not contiguous gather their rows of
+``wq`` (weights are small; activations never move).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..kernels.rope import apply_rope, apply_rope_transpose
+from .all_to_all import _group, heads_to_sequence, sequence_to_heads
+from .head_schedule import HeadSchedule, Stage, make_head_schedule
+
+
+@functools.lru_cache(maxsize=None)
+def _head_index(heads: tuple[int, ...], device: torch.device) -> Tensor:
+    """A stage's head indices on ``device``, built once: a fresh host-to-GPU copy per stage
+    would stall the CPU until the stream catches up."""
+    return torch.tensor(heads, device=device)
+
+
+def _add_product(target: Tensor, a: Tensor, b: Tensor) -> None:
+    """target += a @ b, where ``target`` is (tokens, D) or a (B, L, D) span of a larger buffer:
+    in place when the span is contiguous (always with batch 1), else through one temporary."""
+    if target.is_contiguous():
+        target.view(-1, target.shape[-1]).addmm_(a, b)
+    else:
+        target.add_((a @ b).view_as(target))
+
+
+def resolve_group(group_name: str, size: int) -> dist.ProcessGroup | None:
+    """The process group named ``group_name`` (None for a group of one), checked for its size."""
+    if size == 1:
+        return None
+    group = _group(group_name)
+    if group.size() != size:
+        raise ValueError(f"process group {group_name!r} has {group.size()} ranks, expected {size}")
+    return group
+
+
+class AttentionProjections:
+    """One layer's projections of a span of the local sequence ``x`` (B, L, D)."""
+
+    def __init__(
+        self,
+        x: Tensor,
+        wq: Tensor,
+        wk: Tensor,
+        wv: Tensor,
+        group_name: str,
+        cp_size: int,
+        head_dim: int,
+        heads_per_stage: int,
+    ) -> None:
+        self.batch, self.local_len, self.dim = x.shape
+        self.head_dim = head_dim
+        self.schedule: HeadSchedule = make_head_schedule(
+            wq.shape[0] // head_dim, wk.shape[0] // head_dim, cp_size, heads_per_stage
+        )
+        self.cp_size = cp_size
+        self.group = resolve_group(group_name, cp_size)
+        # Weights as (heads, head_dim, dim): a stage picks whole heads.
+        self.wq = wq.view(-1, head_dim, self.dim)
+        self.wk = wk.view(-1, head_dim, self.dim)
+        self.wv = wv.view(-1, head_dim, self.dim)
+        self.x_flat = x.reshape(-1, self.dim)
+
+    def stage_rows(self, weight: Tensor, stage: Stage) -> Tensor:
+        """The stage's query-head rows of ``weight`` (U*d, D): a view when they are contiguous."""
+        first = stage.first_head_if_contiguous
+        heads = len(stage.query_heads)
+        if first is not None:
+            return weight[first : first + heads].reshape(-1, self.dim)
+        index = _head_index(stage.query_heads, weight.device)
+        return weight.index_select(0, index).reshape(-1, self.dim)
+
+    def block_rows(self, weight: Tensor, block: int) -> Tensor:
+        start, stop = self.schedule.kv_block_heads(block)
+        return weight[start:stop].reshape(-1, self.dim)
+
+    def project(self, rows: Tensor) -> Tensor:
+        """x @ rows.T as (B, L, heads, d)."""
+        return (self.x_flat @ rows.t()).view(self.batch, self.local_len, -1, self.head_dim)
+
+    def to_heads(self, t: Tensor) -> Tensor:
+        return sequence_to_heads(t, self.group, self.cp_size)
+
+    def to_sequence(self, t: Tensor) -> Tensor:
+        return heads_to_sequence(t, self.group, self.cp_size)
+
+    def kv_for_block(self, block: int, rope: Tensor) -> tuple[Tensor, Tensor]:
+        """K (rotated) and V of one KV block, replicated if needed, in the head layout."""
+        rep = self.schedule.kv_replication
+        k = apply_rope(self.project(self.block_rows(self.wk, block)), rope)
+        v = self.project(self.block_rows(self.wv, block))
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        return self.to_heads(k), self.to_heads(v)
+
+    def query_for_stage(self, stage: Stage, rope: Tensor) -> Tensor:
+        return self.to_heads(apply_rope(self.project(self.stage_rows(self.wq, stage)), rope))
+
+    def write_stage(self, buffer: Tensor, stage: Stage, values: Tensor) -> None:
+        """buffer[:, :, stage heads] = values, for (B, L, H, d) buffers."""
+        first = stage.first_head_if_contiguous
+        if first is not None:
+            buffer[:, :, first : first + values.shape[2]] = values
+        else:
+            buffer.index_copy_(2, _head_index(stage.query_heads, buffer.device), values)
+
+    def read_stage(self, buffer: Tensor, stage: Stage) -> Tensor:
+        first = stage.first_head_if_contiguous
+        if first is not None:
+            return buffer[:, :, first : first + len(stage.query_heads)]
+        return buffer.index_select(2, _head_index(stage.query_heads, buffer.device))
+
+    def query_backward(
+        self, grad_q_h: Tensor, stage: Stage, rope: Tensor, grad_x: Tensor, grad_wq: Tensor
+    ) -> None:
+        """From the stage's query gradient in the head layout: grad_x += dq @ wq[stage] (grad_x
+        is this span's (tokens, D) or (B, L, D) rows); grad_wq[stage heads] += dq.T @ x."""
+        grad_q = apply_rope_transpose(self.to_sequence(grad_q_h), rope)
+        grad_q = grad_q.reshape(-1, self.head_dim * len(stage.query_heads))
+        _add_product(grad_x, grad_q, self.stage_rows(self.wq, stage))
+        first = stage.first_head_if_contiguous
+        if first is not None:
+            rows = grad_wq[first : first + len(stage.query_heads)].view(-1, self.dim)
+            rows.addmm_(grad_q.t(), self.x_flat)
+        else:
+            index = _head_index(stage.query_heads, grad_wq.device)
+            grad_wq.index_add_(0, index, (grad_q.t() @ self.x_flat).view(-1, *grad_wq.shape[1:]))
+
+    def kv_backward(
+        self, grad_k_h: Tensor, grad_v_h: Tensor, block: int, rope: Tensor,
+        grad_x: Tensor, grad_wk: Tensor, grad_wv: Tensor,
+    ) -> None:
+        """From a KV block's (float32) K/V gradients in the head layout: grad_x += dk @ wk +
+        dv @ wv for the block's heads, and the block's rows of grad_wk/grad_wv += d.T @ x."""
+        grad_k = apply_rope_transpose(self._kv_grad(grad_k_h), rope)
+        grad_v = self._kv_grad(grad_v_h)
+        start, stop = self.schedule.kv_block_heads(block)
+        for grad, weight, grad_weight in ((grad_k, self.wk, grad_wk), (grad_v, self.wv, grad_wv)):
+            grad = grad.reshape(-1, (stop - start) * self.head_dim)
+            _add_product(grad_x, grad, weight[start:stop].reshape(-1, self.dim))
+            grad_weight[start:stop].view(-1, self.dim).addmm_(grad.t(), self.x_flat)
+
+    def _kv_grad(self, grad_h: Tensor) -> Tensor:
+        """A KV block's gradient in the head layout -> model KV heads on the local span."""
+        grad = self.to_sequence(grad_h.to(self.x_flat.dtype))
+        rep = self.schedule.kv_replication
+        if rep > 1:  # replicas of one KV head each got part of the gradient: sum them
+            grad = grad.unflatten(2, (-1, rep)).sum(3)
+        return grad

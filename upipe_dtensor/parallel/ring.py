@@ -1,0 +1,168 @@
+"""Ring attention over one process group, on the ring (zigzag) sequence layout.
+
+Each of the R ring ranks holds its tokens in the layout of ``layouts.ring_positions``: an early
+chunk (a = ceil(m/2) tokens) and a late chunk (m - a), m = S/R. K and V travel around the ring
+(rank p sends to p+1, receives from p-1) while every rank attends its queries to the block it
+holds, so after R steps each query has seen every key. The zigzag pairing makes the causal work
+equal on all ranks, and each step is one of the kernel contract's two block kinds
+(``kernels.attention``):
+
+    step 0, own block                 : all queries x all keys, causal (diagonal)
+    block of a rank o < p (earlier)   : all queries x o's early chunk, all visible (past)
+    block of a rank o > p (later)     : p's late chunk of queries x all of o's keys (past)
+
+Partial results are merged exactly through their log-sum-exp in float32 (``kernels.merge``).
+Backward runs the same ring with the final output and LSE; each block's dK/dV travel with it in
+float32 accumulators and arrive back at their owner after the last step.
+
+The next block's send/receive is posted before the current block is computed, so on CUDA (NCCL
+runs on its own stream) the transfer overlaps the attention; gloo on CPU runs the same code.
+Document masks: each rank computes any block's document ids itself from the global ids and the
+layout, so they never travel. With R = 1 this is one causal kernel call.
+
+Used by ``RingAttention`` (ring over the whole CP group) and by 2D UPipe/Ulysses (a ring across
+nodes inside every head stage): one ring implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..kernels.attention import attention_backward, attention_forward
+from ..kernels.merge import PartialAttention
+from .layouts import ring_halves, ring_positions
+
+_KV_TAG, _GRAD_TAG = 1, 2
+
+
+@dataclass(frozen=True)
+class Ring:
+    """This rank's place on a ring of ``size`` ranks (``group`` None when ``size`` is 1)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+
+class _Shift:
+    """Send tensors to the next ring rank and receive the previous rank's, asynchronously."""
+
+    def __init__(self, ring: Ring, tensors: tuple[Tensor, ...], tag: int) -> None:
+        self.sent = tuple(t.contiguous() for t in tensors)  # alive until the sends complete
+        self.received = tuple(torch.empty_like(t) for t in self.sent)
+        after, before = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
+        ops = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=after, tag=tag)
+               for t in self.sent]
+        ops += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=before, tag=tag)
+                for t in self.received]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> tuple[Tensor, ...]:
+        for request in self.requests:
+            request.wait()
+        self.sent = ()
+        return self.received
+
+
+class _Blocks:
+    """Which rows of the local queries meet which keys of the block owned by ``owner``."""
+
+    def __init__(self, ring: Ring, seq_len: int, doc_ids: Tensor | None) -> None:
+        self.ring, self.seq_len, self.doc_ids = ring, seq_len, doc_ids
+        self.early, _ = ring_halves(seq_len, ring.size)
+
+    def docs(self, owner: int) -> Tensor | None:
+        if self.doc_ids is None:
+            return None
+        positions = ring_positions(self.seq_len, owner, self.ring.size)
+        return self.doc_ids.index_select(1, positions.to(self.doc_ids.device))
+
+    def spans(self, owner: int) -> tuple[slice, slice, bool]:
+        """(query rows, key rows, causal) of the block owned by ``owner``."""
+        everything = slice(None)
+        if owner == self.ring.rank:
+            return everything, everything, True
+        if owner < self.ring.rank:
+            return everything, slice(0, self.early), False
+        return slice(self.early, None), everything, False
+
+
+def _docs(ids: Tensor | None, rows: slice) -> Tensor | None:
+    return None if ids is None else ids[:, rows]
+
+
+def ring_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, ring: Ring, doc_ids: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of this rank's queries over the whole ring's keys (module docstring).
+
+    ``q``, ``k``, ``v`` are (B, m, h, d) in the ring layout; ``doc_ids`` is None or the (B, S)
+    document ids of the whole sequence in global order.
+    """
+    seq_len = q.shape[1] * ring.size
+    if ring.size == 1:
+        return attention_forward(q, k, v, scale, backend, causal=True, q_docs=doc_ids, k_docs=doc_ids)
+    blocks = _Blocks(ring, seq_len, doc_ids)
+    mine = blocks.docs(ring.rank)
+    partial: PartialAttention | None = None
+    kv = (k, v)
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        shift = _Shift(ring, kv, _KV_TAG) if step < ring.size - 1 else None
+        rows, keys, causal = blocks.spans(owner)
+        theirs = mine if owner == ring.rank else blocks.docs(owner)
+        if q[:, rows].shape[1] and kv[0][:, keys].shape[1]:
+            out, lse = attention_forward(
+                q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, backend,
+                causal=causal, q_docs=_docs(mine, rows), k_docs=_docs(theirs, keys),
+            )
+            if partial is None:
+                partial = PartialAttention(out, lse)
+            else:
+                partial.add(out, lse, start=rows.start or 0)
+        if shift is not None:
+            kv = shift.wait()
+    return partial.result(q.dtype)
+
+
+def ring_attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    scale: float, backend: str, ring: Ring, doc_ids: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ``ring_attention_forward`` from its final ``out`` and ``lse``."""
+    seq_len = q.shape[1] * ring.size
+    if ring.size == 1:
+        return attention_backward(
+            grad_out, q, k, v, out, lse, scale, backend, causal=True, q_docs=doc_ids, k_docs=doc_ids
+        )
+    blocks = _Blocks(ring, seq_len, doc_ids)
+    mine = blocks.docs(ring.rank)
+    grad_q = torch.zeros_like(q, dtype=torch.float32)
+    kv, grad_shift = (k, v), None
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        shift = _Shift(ring, kv, _KV_TAG) if step < ring.size - 1 else None
+        if grad_shift is None:  # this rank's own block: its accumulators start here
+            grad_kv = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
+        else:  # the accumulators of ``owner``'s block, from the previous rank
+            grad_kv = grad_shift.wait()
+        rows, keys, causal = blocks.spans(owner)
+        theirs = mine if owner == ring.rank else blocks.docs(owner)
+        if q[:, rows].shape[1] and kv[0][:, keys].shape[1]:
+            dq, dk, dv = attention_backward(
+                grad_out[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                lse[:, :, rows], scale, backend,
+                causal=causal, q_docs=_docs(mine, rows), k_docs=_docs(theirs, keys),
+            )
+            grad_q[:, rows] += dq
+            grad_kv[0][:, keys] += dk
+            grad_kv[1][:, keys] += dv
+        grad_shift = _Shift(ring, grad_kv, _GRAD_TAG)
+        if shift is not None:
+            kv = shift.wait()
+    grad_k, grad_v = grad_shift.wait()  # this rank's own block, back from its last visitor
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
