@@ -3,6 +3,8 @@ memory stack, FSDP2) at its real size and world size, on a fake process group wi
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,13 +12,38 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from upipe_dtensor.config import check_job, parse_args
+from upipe_dtensor.config import ConfigError, check_job, parse_args
+from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.parallelize import build_meshes
 from upipe_dtensor.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.toml") if not p.stem.endswith("_base"))
+
+# Meta's config.json of Llama-3.1-8B, as published with its weights.
+LLAMA_31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+def _llama_31_8b_folder(folder: Path) -> str:
+    """A stand-in Hugging Face folder: Meta's config.json, the shipped tokenizer, and an empty
+    weights file (the recipes are built on fake tensors: nothing is read)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B_CONFIG))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "assets/tokenizer" / name, folder / name)
+    (folder / "model.safetensors").touch()
+    return str(folder)
 
 
 def test_recipe_table_is_complete() -> None:
@@ -28,7 +55,10 @@ def test_recipe_table_is_complete() -> None:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
-    config = parse_args(["--config", str(recipe), "--job.dump_folder", str(tmp_path)])
+    extra = []
+    if "extend" in recipe.stem:  # context extension starts from Hugging Face Llama-3.1-8B weights
+        extra = ["--model.hf_assets_path", _llama_31_8b_folder(tmp_path / "Llama-3.1-8B")]
+    config = parse_args(["--config", str(recipe), "--job.dump_folder", str(tmp_path), *extra])
     world = config.parallelism.context_parallel_degree
     dp = check_job(config, world)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
@@ -41,3 +71,16 @@ def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
         assert trainer.model.loss_chunk_tokens == config.memory.loss_chunk_tokens
     finally:
         dist.destroy_process_group()
+
+
+def test_extension_recipe_names_the_missing_weights(tmp_path: Path) -> None:
+    config = parse_args(["--config", str(REPO / "recipes/llama3_8b_extend_1M.toml")])
+    with pytest.raises(ConfigError, match=r"initial_load_in_hf needs a Hugging Face folder: set "
+                                          r"\[checkpoint\] initial_load_path or \[model\] hf_assets_path"):
+        check_job(config, 8)
+    args = model_args(
+        parse_args(["--config", str(REPO / "recipes/llama3_8b_extend_5M.toml"),
+                    "--model.hf_assets_path", _llama_31_8b_folder(tmp_path / "hf")]).model, 5 * 2**20
+    )
+    assert (args.rope_theta, args.rope_scaling_args.scaling_factor) == (500000.0, 320.0)
+    assert args.rope_scaling_args.original_max_position_embeddings == 8192
