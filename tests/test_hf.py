@@ -127,6 +127,7 @@ def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_fo
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["predicted_tokens"] == 3 * (SEQ_LEN - 1)
     assert abs(report["loss"] - expected) <= 1e-5 * expected, (report["loss"], expected)
+    print(f"evaluate loss {report['loss']:.7f} vs transformers {expected:.7f}")
     assert list(report["loss_by_position"]) == ["0", "1", "2-3", "4-7", "8-15", "16-31", "32-62"]
     weights = [1, 1, 2, 4, 8, 16, 31]  # positions per bucket: the buckets average back to the loss
     mean = sum(w * v for w, v in zip(weights, report["loss_by_position"].values())) / (SEQ_LEN - 1)
@@ -184,6 +185,7 @@ def test_trainer_starts_from_hf_and_exports_hf(tmp_path: Path, hf_folder: Path) 
         logits = load_reference(hf_folder)(inputs).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     assert abs(loss - expected.item()) <= 1e-5 * expected.item(), (loss, expected.item())
+    print(f"step-1 loss from HF weights {loss:.7f} vs transformers {expected.item():.7f}")
 
     checkpoints = tmp_path / "job" / "checkpoint"
     assert convert.main(["--to", "hf", str(checkpoints / "step-1"), str(tmp_path / "converted"),
