@@ -19,6 +19,8 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split(
 OPTIONS = {
     "causal": [],
     "document positions": ["--training.position_ids", "document"],
+    "document mask": ["--training.attention_mask", "document", "--training.position_ids", "document"],
+    "document mask, global positions": ["--training.attention_mask", "document"],
 }
 
 
@@ -68,6 +70,9 @@ def test_documents_cp2_equal_cp1(tmp_path: Path) -> None:
         for step, (one, two) in enumerate(zip(results[1][name], results[2][name]), 1):
             assert abs(one - two) <= 1e-5 * abs(one), f"{name}, step {step}: cp1 {one} vs cp2 {two}"
         assert results[1][name] != pytest.approx(results[1]["causal"], rel=1e-4), name
+    # Inside a document RoPE sees only distances, so where positions restart does not matter.
+    assert results[1]["document mask, global positions"] == pytest.approx(results[1]["document mask"], rel=1e-5)
+    assert results[1]["document mask"] != pytest.approx(results[1]["document positions"], rel=1e-4)
 
 
 def test_planner_counts_document_metadata(tmp_path: Path) -> None:
@@ -76,11 +81,15 @@ def test_planner_counts_document_metadata(tmp_path: Path) -> None:
     for name, extra in OPTIONS.items():
         config = _config(tmp_path, 2, str(REPO / "assets/corpus"),
                          ["--training.seq_len", "16384", "--training.local_batch_size", "1", *extra])
-        plans[name] = plan_job(config)
-    metadata = plans["document positions"].document_metadata_bytes
-    assert metadata == document_metadata_bytes(config) == 16384 // 2 * 8
-    assert plans["causal"].document_metadata_bytes == 0
-    growth = plans["document positions"].device_peak_bytes - plans["causal"].device_peak_bytes
-    assert abs(growth - metadata) <= 1024, (growth, metadata)
-    assert metadata < 1e-3 * plans["causal"].device_peak_bytes
-    assert "document metadata" in plans["document positions"].render()
+        plans[name] = (config, plan_job(config))
+    causal = plans.pop("causal")[1]
+    assert causal.document_metadata_bytes == 0
+    ids, positions = 16384 * 4, 16384 // 2 * 8  # int32 ids of the sequence, int64 shard positions
+    expected = {"document positions": positions, "document mask": ids + positions,
+                "document mask, global positions": ids}
+    for name, (config, plan) in plans.items():
+        assert plan.document_metadata_bytes == document_metadata_bytes(config) == expected[name]
+        growth = plan.device_peak_bytes - causal.device_peak_bytes
+        assert abs(growth - expected[name]) <= 1024, (name, growth, expected[name])
+        assert expected[name] < 1e-3 * causal.device_peak_bytes
+        assert "document metadata" in plan.render()

@@ -22,6 +22,7 @@ from hf_tiny import SEQ_LEN, load_reference, random_tokens, safetensors_weights,
 from upipe_dtensor import convert
 from upipe_dtensor.build import build_parallel_model, load_initial_weights
 from upipe_dtensor.config import ConfigError, check_job, parse_args
+from upipe_dtensor.evaluate import position_loss_sums
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,8 @@ def _elements_read(counter: list[int]):
     HuggingFaceStorageReader.read_data = counting
 
 
-def _logits_on_ranks(rank: int, world: int, dump: str, cases: list, tokens) -> None:
+def _logits_on_ranks(rank: int, world: int, dump: str, cases: list, tokens, packed) -> None:
+    _document_losses(Path(dump), *packed)
     for hf, expected, tied in cases:
         read = [0]
         _elements_read(read)
@@ -95,8 +97,23 @@ def _logits_on_ranks(rank: int, world: int, dump: str, cases: list, tokens) -> N
             print(f"UPipe cp=2 logits vs transformers ({'tied' if tied else 'untied'}): rel err {err:.2e}")
 
 
+def _document_losses(dump: Path, hf: str, row: torch.Tensor, expected: torch.Tensor) -> None:
+    """evaluate's per-position losses of a packed row, document-masked, equal transformers'
+    losses of each document run on its own."""
+    built = build_parallel_model(_job(dump, Path(hf), "--checkpoint.enable", "false",
+                                      "--training.attention_mask", "document",
+                                      "--training.position_ids", "document"))
+    load_initial_weights(built)
+    losses = position_loss_sums(built, row)[:-1]
+    err = rel_err(losses, expected)
+    assert err <= 1e-4, err
+    if dist.get_rank() == 0:
+        print(f"document-masked per-token losses vs transformers per document: rel err {err:.2e}")
+
+
 def test_logits_equal_transformers(tmp_path: Path, hf_folder: Path) -> None:
-    """Also for tied embeddings (Llama 3.2 1B/3B store no lm_head)."""
+    """Also for tied embeddings (Llama 3.2 1B/3B store no lm_head), and for a packed row of two
+    documents (the first ends with EOS) with document masking and positions."""
     tied = write_tiny_hf_llama(tmp_path / "tied", seed=3, tie_word_embeddings=True)
     assert "lm_head.weight" not in safetensors_weights(tied)
     tokens = random_tokens(2)
@@ -104,7 +121,14 @@ def test_logits_equal_transformers(tmp_path: Path, hf_folder: Path) -> None:
     for folder, is_tied in ((hf_folder, False), (tied, True)):
         with torch.no_grad():
             cases.append((str(folder), load_reference(folder)(tokens).logits, is_tied))
-    run_on_ranks(2, _logits_on_ranks, str(tmp_path), cases, tokens)
+    first, second = random_tokens(1, 20, seed=4)[0], random_tokens(1, SEQ_LEN - 20, seed=5)[0]
+    first[-1] = 1  # the tiny model's (and the shipped tokenizer's) EOS: the boundary
+    row = torch.cat([first, second])[None]
+    with torch.no_grad():
+        reference = load_reference(hf_folder)
+        logits = torch.cat([reference(first[None]).logits[0], reference(second[None]).logits[0]])
+    expected = torch.nn.functional.cross_entropy(logits[:-1], row[0, 1:], reduction="none")
+    run_on_ranks(2, _logits_on_ranks, str(tmp_path), cases, tokens, (str(hf_folder), row, expected))
 
 
 def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_folder: Path) -> None:
