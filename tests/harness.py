@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from typing import Callable
@@ -10,7 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torchtitan.models.llama3.model.args import TransformerModelArgs
+from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.models.llama3.model.model import Transformer
+
+from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
 
 VOCAB = 64
 
@@ -103,3 +107,23 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast parameters only: ``model.to(dtype)`` would also cast the complex RoPE buffer to real."""
     for param in model.parameters():
         param.data = param.data.to(dtype)
+
+
+def make_style(case: dict):
+    """The CP style a test case names: upipe/ulysses (1-D, or 2D with "ring"), ring, fpdt."""
+    style, u = case["style"], case.get("u")
+    if style in ("upipe", "upipe2d"):
+        return UPipeAttention(heads_per_stage=u)
+    if style in ("ulysses", "ulysses2d"):
+        return UlyssesAttention()
+    if style == "ring":
+        return RingAttention()
+    chunk_tokens = math.ceil(case["seq_len"] / case["chunks"])
+    return FPDTAttention(chunk_tokens=chunk_tokens, heads_per_stage=u)
+
+
+def cp_mesh(case: dict, cp: int):
+    """A 1-D cp mesh, or the (cp_ring, cp_heads) mesh for a case with a "ring" degree."""
+    if "ring" in case:
+        return init_device_mesh("cpu", (case["ring"], cp // case["ring"]), mesh_dim_names=("cp_ring", "cp_heads"))
+    return init_device_mesh("cpu", (cp,))

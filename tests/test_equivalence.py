@@ -15,15 +15,15 @@ accurate against a float32 reference than the unsharded bf16 model (2x its error
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from harness import VOCAB, cast_parameters, gather_sequence, rel_err, run_on_ranks, shard, summed_grads, tiny_llama
-from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
+from harness import (
+    VOCAB, cast_parameters, cp_mesh, gather_sequence, make_style, rel_err, run_on_ranks, shard, summed_grads,
+    tiny_llama,
+)
 from upipe_dtensor.documents import document_positions
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
 
@@ -103,24 +103,6 @@ def cases(cp: int, dtype: torch.dtype) -> list[dict]:
                 subset.append(case)
         grid = subset
     return grid
-
-
-def make_style(case: dict):
-    style, u = case["style"], case.get("u")
-    if style in ("upipe", "upipe2d"):
-        return UPipeAttention(heads_per_stage=u)
-    if style in ("ulysses", "ulysses2d"):
-        return UlyssesAttention()
-    if style == "ring":
-        return RingAttention()
-    chunk_tokens = math.ceil(case["seq_len"] / case["chunks"])
-    return FPDTAttention(chunk_tokens=chunk_tokens, heads_per_stage=u)
-
-
-def cp_mesh(case: dict, cp: int):
-    if "ring" in case:
-        return init_device_mesh("cpu", (case["ring"], cp // case["ring"]), mesh_dim_names=("cp_ring", "cp_heads"))
-    return init_device_mesh("cpu", (cp,))
 
 
 def document_ids(seq_len: int) -> torch.Tensor:

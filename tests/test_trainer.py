@@ -73,10 +73,19 @@ def _assert_close(actual: list[float], expected: list[float], tol: float = 1e-5)
         assert abs(a - e) <= tol * abs(e), f"step {step}: {a} vs {e}"
 
 
+MEMORY_STACK = [
+    "--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
+    "--memory.tiled_mlp", "true", "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true",
+]
+RING = ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"]
+FPDT = ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "16"]  # 4 chunks per rank
+
+
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"], ["--compile.enable", "true"]],
-    ids=["upipe", "ulysses", "upipe-compiled"],
+    [[], ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"], ["--compile.enable", "true"],
+     RING + MEMORY_STACK, FPDT + MEMORY_STACK + ["--compile.enable", "true"]],
+    ids=["upipe", "ulysses", "upipe-compiled", "ring-memory-stack", "fpdt-memory-stack-compiled"],
 )
 def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]) -> None:
     _assert_close(_losses(tmp_path, "cp2", 2, extra), reference)
@@ -95,6 +104,13 @@ def test_resume_with_another_cp_degree(tmp_path: Path, reference: list[float]) -
     dump = tmp_path / "job"
     _losses(tmp_path, "first", 1, kill_at=3, dump=dump)
     _assert_close(_losses(tmp_path, "second", 2, dump=dump), reference[2:])
+
+
+def test_resume_with_another_style(tmp_path: Path, reference: list[float]) -> None:
+    """A snapshot written by ring attention resumes under FPDT: the layout is not in the state."""
+    dump = tmp_path / "job"
+    _losses(tmp_path, "first", 2, RING, kill_at=3, dump=dump)
+    _assert_close(_losses(tmp_path, "second", 2, FPDT, dump=dump), reference[2:])
 
 
 def test_gradient_accumulation_equals_the_whole_batch(tmp_path: Path, reference: list[float]) -> None:

@@ -126,7 +126,10 @@ def build_parallel_model(
         device, backend = pick_device()
         if not dist.is_initialized():
             _init_process_group(backend)
-    meshes = meshes or build_meshes(device.type, dp, config.parallelism.context_parallel_degree)
+    parallelism = config.parallelism
+    meshes = meshes or build_meshes(
+        device.type, dp, parallelism.context_parallel_degree, parallelism.ring_degree
+    )
 
     with torch.device("meta"):
         model = Llama3(args)

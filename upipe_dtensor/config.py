@@ -109,10 +109,18 @@ class Parallelism:
     """FSDP data-parallel degree; -1 uses every rank not taken by context parallelism."""
     context_parallel_degree: int = 1
     """C: ranks that split each sequence (innermost mesh dimension)."""
-    cp_style: Literal["upipe", "ulysses"] = "upipe"
-    """Context-parallel attention: UPipe (a few heads per stage) or classic Ulysses (all heads)."""
+    cp_style: Literal["upipe", "ulysses", "ring", "fpdt"] = "upipe"
+    """Context-parallel attention: UPipe (a few heads per stage), classic Ulysses (all heads),
+    ring attention (K/V passed around the CP group) or FPDT (Ulysses over sequence chunks, earlier
+    chunks' K/V in host memory)."""
     heads_per_stage: int = 0
-    """UPipe's U, query heads per stage across the CP group; 0 means U = C."""
+    """U, query heads per stage across the head axis. upipe: 0 means U = C / ring_degree; fpdt:
+    0 means all heads (FPDT as published), a multiple of C is UPipe x FPDT."""
+    ring_degree: int = 1
+    """R > 1: 2D context parallelism for upipe/ulysses, a ring of R ranks (across nodes) times a
+    head axis of C / R ranks (inside a node); R divides context_parallel_degree."""
+    fpdt_chunk_tokens: int = 65536
+    """fpdt: tokens per sequence chunk after the all-to-all (the chunk attention works on)."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
 
@@ -380,6 +388,8 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("training", "local_batch_size", 1),
         ("training", "gradient_accumulation_steps", 1),
         ("parallelism", "context_parallel_degree", 1),
+        ("parallelism", "ring_degree", 1),
+        ("parallelism", "fpdt_chunk_tokens", 1),
         ("lr_scheduler", "warmup_steps", 0),
         ("checkpoint", "interval", 1),
         ("checkpoint", "keep_latest_k", 0),
@@ -403,11 +413,50 @@ def _check_positive(config: JobConfig, fail) -> None:
         fail(f"[lr_scheduler] min_lr_factor = {config.lr_scheduler.min_lr_factor} must be in [0, 1]")
 
 
+def _check_context_parallel(config: JobConfig, args, fail) -> None:
+    """The CP style's geometry: ring and head axes, heads per stage, FPDT chunks."""
+    from .parallel.head_schedule import make_head_schedule
+    from .parallel.layouts import chunk_count
+
+    parallelism = config.parallelism
+    cp, ring, style = parallelism.context_parallel_degree, parallelism.ring_degree, parallelism.cp_style
+    if ring < 1 or cp % ring:
+        divisors = [r for r in range(1, cp + 1) if cp % r == 0]
+        fail(
+            f"[parallelism] ring_degree = {ring} must divide context_parallel_degree = {cp}; "
+            f"use one of {divisors}"
+        )
+    if ring > 1 and style not in ("upipe", "ulysses"):
+        fail(
+            f"[parallelism] ring_degree = {ring} adds a ring axis to cp_style 'upipe' or 'ulysses'; "
+            f"cp_style {style!r} " + ("is already a ring over all C ranks" if style == "ring"
+                                      else "has no ring axis") + ": set ring_degree = 1"
+        )
+    if parallelism.heads_per_stage and style in ("ulysses", "ring"):
+        fail(f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it")
+    if style == "ring":  # any number of heads: nothing is exchanged by head
+        return
+    if style == "fpdt":
+        try:
+            chunk_count(config.training.seq_len, cp, parallelism.fpdt_chunk_tokens)
+        except ValueError as err:
+            fail(f"[parallelism] fpdt_chunk_tokens = {parallelism.fpdt_chunk_tokens}: {err}")
+    heads = cp // ring
+    if style == "ulysses" or (style == "fpdt" and not parallelism.heads_per_stage):
+        heads_per_stage = args.n_heads
+    else:
+        heads_per_stage = parallelism.heads_per_stage or heads
+    try:
+        make_head_schedule(args.n_heads, args.n_kv_heads or args.n_heads, heads, heads_per_stage)
+    except ValueError as err:
+        axis = f"head axis of {heads} ranks (C / ring_degree)" if ring > 1 else f"cp degree {cp}"
+        fail(f"[parallelism] cp_style {style!r} over a {axis}, flavor {config.model.flavor!r}: {err}")
+
+
 def check_job(config: JobConfig, world_size: int) -> int:
     """Reject impossible combinations before any heavy work; returns the dp_shard degree."""
     from .models.hf_config import model_args
     from .weights import check_initial_load
-    from .parallel.head_schedule import make_head_schedule
 
     source = config.config_file or "command line"
 
@@ -451,15 +500,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "[activation_checkpoint] cpu_offload moves the inputs that full checkpointing keeps; "
             "set mode = 'full' as well"
         )
-    if parallelism.cp_style == "ulysses" and parallelism.heads_per_stage:
-        fail("[parallelism] heads_per_stage applies to cp_style = 'upipe' only; remove it for 'ulysses'")
-    heads_per_stage = (
-        args.n_heads if parallelism.cp_style == "ulysses" else parallelism.heads_per_stage or cp
-    )
-    try:
-        make_head_schedule(args.n_heads, args.n_kv_heads or args.n_heads, cp, heads_per_stage)
-    except ValueError as err:
-        fail(f"[parallelism] with flavor {config.model.flavor!r}: {err}")
+    _check_context_parallel(config, args, fail)
     if training.dataset == "local" and not os.path.exists(training.dataset_path):
         fail(
             f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "

@@ -4,9 +4,10 @@ CP style -> tiled MLP and RMSNorm -> compile (each block) -> activation checkpoi
 torchtitan checkpoints before compiling; here compile goes inside the checkpoint wrapper because
 the offload's saved-tensor hooks cannot live inside a fullgraph-compiled region.
 
-The mesh is (dp_shard, cp) with cp innermost (the ranks of one sequence are neighbours, i.e. one
-node's NVLink domain). FSDP2 shards parameters over dp_shard x cp together, as in the UPipe paper:
-the CP ranks hold the same parameters, so sharding over them too divides parameter, gradient and
+The mesh is (dp_shard, cp_ring, cp_heads) with the head axis innermost (the ranks that exchange
+heads are neighbours, i.e. one node's NVLink domain; the ring axis of 2D context parallelism
+crosses nodes). FSDP2 shards parameters over all of it together, as in the UPipe paper: the CP
+ranks hold the same parameters, so sharding over them too divides parameter, gradient and
 optimizer memory by the whole world size.
 """
 
@@ -25,7 +26,7 @@ from .config import JobConfig
 from .memory.offload import HostOffload, apply_activation_checkpointing
 from .memory.rms_norm import apply_tiled_rms_norm
 from .memory.tiled_mlp import apply_tiled_mlp
-from .parallel import UlyssesAttention, UPipeAttention
+from .parallel import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -42,34 +43,64 @@ class Parallelized:
 
 @dataclass(frozen=True)
 class ParallelMeshes:
-    """The (dp_shard, cp) world mesh and its flattened dp_shard x cp mesh, which FSDP2 uses."""
+    """The (dp_shard, cp_ring, cp_heads) world mesh, its flattened cp and dp_shard x cp meshes.
+
+    The head axis is innermost (one node's NVLink domain carries the all-to-alls), the ring axis
+    crosses nodes; without a ring axis (ring degree 1) cp is the head axis.
+    """
 
     world: DeviceMesh
     fsdp: DeviceMesh
-
-    @property
-    def cp(self) -> DeviceMesh:
-        return self.world["cp"]
+    cp: DeviceMesh
+    """All C context-parallel ranks of one sequence, in (ring, heads) order."""
 
     @property
     def dp_shard(self) -> DeviceMesh:
         return self.world["dp_shard"]
 
+    @property
+    def cp_2d(self) -> DeviceMesh:
+        """The (cp_ring, cp_heads) mesh of 2D context parallelism."""
+        return self.world["cp_ring", "cp_heads"]
 
-def build_meshes(device_type: str, dp_shard: int, cp: int) -> ParallelMeshes:
-    world = init_device_mesh(device_type, (dp_shard, cp), mesh_dim_names=("dp_shard", "cp"))
-    return ParallelMeshes(world=world, fsdp=world["dp_shard", "cp"]._flatten("dp_shard_cp"))
+
+def build_meshes(device_type: str, dp_shard: int, cp: int, ring: int = 1) -> ParallelMeshes:
+    world = init_device_mesh(
+        device_type, (dp_shard, ring, cp // ring), mesh_dim_names=("dp_shard", "cp_ring", "cp_heads")
+    )
+    return ParallelMeshes(
+        world=world,
+        fsdp=world["dp_shard", "cp_ring", "cp_heads"]._flatten("dp_shard_cp"),
+        cp=world["cp_ring", "cp_heads"]._flatten("cp"),
+    )
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, config: JobConfig) -> UPipeAttention:
-    """Apply the configured CP style to every attention module; returns the style, whose
-    ``shard_positions`` says which tokens each CP rank feeds."""
+def make_cp_style(config: JobConfig, host_device: torch.device = torch.device("cpu")):
+    """The configured context-parallel style (``[parallelism] cp_style``)."""
     parallelism = config.parallelism
     if parallelism.cp_style == "ulysses":
-        style = UlyssesAttention()
-    else:
-        style = UPipeAttention(heads_per_stage=parallelism.heads_per_stage or None)
-    parallelize_module(model, cp_mesh, {"layers.*.attention": style})
+        return UlyssesAttention()
+    if parallelism.cp_style == "ring":
+        return RingAttention()
+    if parallelism.cp_style == "fpdt":
+        return FPDTAttention(
+            chunk_tokens=parallelism.fpdt_chunk_tokens,
+            heads_per_stage=parallelism.heads_per_stage or None,
+            host_device=host_device,
+        )
+    return UPipeAttention(heads_per_stage=parallelism.heads_per_stage or None)
+
+
+def apply_context_parallel(
+    model: nn.Module, meshes: ParallelMeshes, config: JobConfig,
+    host_device: torch.device = torch.device("cpu"),
+) -> UPipeAttention:
+    """Apply the configured CP style to every attention module; returns the style, whose
+    ``shard_positions`` says which tokens each CP rank feeds. 2D (ring_degree > 1) styles get the
+    (cp_ring, cp_heads) mesh, the others the flattened cp mesh."""
+    style = make_cp_style(config, host_device)
+    mesh = meshes.cp_2d if config.parallelism.ring_degree > 1 else meshes.cp
+    parallelize_module(model, mesh, {"layers.*.attention": style})
     return style
 
 
@@ -113,7 +144,7 @@ def parallelize_llama(
     ``mixed_precision`` (default: on CUDA only) applies [training] mixed_precision_param/reduce;
     the planner turns it on to model a GPU run with CPU stand-in tensors.
     """
-    cp_style = apply_context_parallel(model, meshes.cp, config)
+    cp_style = apply_context_parallel(model, meshes, config, host_device)
     if config.memory.tiled_mlp:
         apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
     if config.memory.tiled_rms_norm:

@@ -168,6 +168,15 @@ def tracked_step(trainer: Trainer, tracker: LiveMemoryTracker, config: JobConfig
     trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
 
 
+def _heads_per_stage(parallelism, n_heads: int) -> int:
+    """U as the style runs it: upipe defaults to the head-axis degree, fpdt and the rest to H."""
+    if parallelism.heads_per_stage:
+        return parallelism.heads_per_stage
+    if parallelism.cp_style == "upipe":
+        return parallelism.context_parallel_degree // parallelism.ring_degree
+    return n_heads
+
+
 def plan_job(
     config: JobConfig,
     budget: Budget | None = None,
@@ -194,7 +203,7 @@ def plan_job(
     )
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        meshes = build_meshes("cpu", dp, cp)
+        meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
         tracker = LiveMemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker:
             trainer = Trainer(
@@ -221,9 +230,7 @@ def plan_job(
         config_file=config.config_file,
         seq_len=config.training.seq_len,
         cp_style=parallelism.cp_style,
-        heads_per_stage=(parallelism.heads_per_stage or cp)
-        if parallelism.cp_style == "upipe"
-        else trainer.model.model_args.n_heads,
+        heads_per_stage=_heads_per_stage(parallelism, trainer.model.model_args.n_heads),
         world_size=world_size,
         device_peak_bytes=device_peak,
         device_peak_when=peak.when,
