@@ -249,6 +249,7 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(x, wq, wk, wv, rope, doc_ids, out, lse)
     ctx.constants = constants
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the LSE output
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
