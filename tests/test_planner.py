@@ -36,6 +36,10 @@ JOBS = {
     "ulysses+all": ["--parallelism.cp_style", "ulysses", "--activation_checkpoint.mode", "full",
                     "--activation_checkpoint.cpu_offload", "true", "--memory.tiled_mlp", "true",
                     "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true"],
+    "ring": ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"],
+    # 4 chunks per rank at cp 2, 2 at cp 4: earlier K/V chunks in the host store
+    "fpdt": ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "256"],
+    "upipe-2d": ["--parallelism.ring_degree", "2"],  # 2 x 1 at cp 2, 2 x 2 at cp 4
 }
 
 
