@@ -1,4 +1,5 @@
-"""All-to-alls per layer: K/V travel once per KV block, not once per stage; the primitive is exact."""
+"""Communication per layer: K/V travel once per KV block, not once per stage; the all-to-all is
+exact; and every style sends exactly the bytes ``upipe_dtensor.communication`` says it does."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from harness import VOCAB, rel_err, run_on_ranks, shard, tiny_llama
+from harness import VOCAB, cp_mesh, make_style, rel_err, run_on_ranks, shard, tiny_llama
 from upipe_dtensor import UPipeAttention
+from upipe_dtensor.communication import layer_traffic
 from upipe_dtensor.parallel import all_to_all
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
 
@@ -72,3 +74,64 @@ def _round_trip(rank: int, cp: int) -> None:
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_sequence_head_all_to_all(cp: int) -> None:
     run_on_ranks(cp, _round_trip)
+
+
+TRAFFIC_SEQ, TRAFFIC_BATCH, HEAD_DIM = 48, 2, 8
+
+
+def _traffic_cases(cp: int) -> list[dict]:
+    cases = [dict(style="upipe", n_heads=8, n_kv=2), dict(style="ulysses", n_heads=8, n_kv=2),
+             dict(style="ring", n_heads=4, n_kv=1), dict(style="fpdt", n_heads=8, n_kv=4, chunks=3)]
+    if cp == 4:
+        cases += [dict(style="upipe2d", ring=2, n_heads=8, n_kv=2), dict(style="ulysses2d", ring=2, n_heads=8, n_kv=8)]
+    return [c | dict(seq_len=TRAFFIC_SEQ) for c in cases]
+
+
+def _count_bytes(rank: int, cp: int) -> None:
+    """Count what this rank sends for one layer's forward and backward, per axis."""
+    sent = {"a2a": 0, "p2p": 0}
+    real_a2a, real_batch = dist.all_to_all_single, dist.batch_isend_irecv
+
+    def a2a(output, input, *args, group=None, **kwargs):
+        size = dist.get_world_size(group)
+        sent["a2a"] += input.numel() * input.element_size() * (size - 1) // size
+        return real_a2a(output, input, *args, group=group, **kwargs)
+
+    def batch(ops):
+        sent["p2p"] += sum(op.tensor.nbytes for op in ops if op.op.__name__ == "isend")
+        return real_batch(ops)
+
+    failures = []
+    for case in _traffic_cases(cp):
+        model = tiny_llama(case["n_heads"], case["n_kv"], TRAFFIC_SEQ, head_dim=HEAD_DIM, n_layers=1)
+        style = make_style(case)
+        parallelize_module(model, cp_mesh(case, cp), {"layers.*.attention": style})
+        tokens = shard(torch.randint(0, VOCAB, (TRAFFIC_BATCH, TRAFFIC_SEQ)), rank, cp, style)
+        dist.all_to_all_single, dist.batch_isend_irecv = a2a, batch
+        try:
+            sent.update(a2a=0, p2p=0)
+            logits = model(tokens)
+            forward = dict(sent)
+            sent.update(a2a=0, p2p=0)
+            logits.sum().backward()
+            backward = dict(sent)
+        finally:
+            dist.all_to_all_single, dist.batch_isend_irecv = real_a2a, real_batch
+        ring = case.get("ring", 1)
+        u = case.get("u") or (cp // ring if case["style"] in ("upipe", "upipe2d") else case["n_heads"])
+        expected = layer_traffic(
+            case["style"].removesuffix("2d"), seq_len=TRAFFIC_SEQ, batch=TRAFFIC_BATCH, cp=cp,
+            ring_degree=ring, n_heads=case["n_heads"], n_kv_heads=case["n_kv"], head_dim=HEAD_DIM,
+            heads_per_stage=u, dtype_bytes=4,
+        )
+        counted = (forward["a2a"], backward["a2a"], forward["p2p"], backward["p2p"])
+        formula = (expected.forward_all_to_all, expected.backward_all_to_all,
+                   expected.forward_ring, expected.backward_ring)
+        if counted != formula:
+            failures.append(f"{case}: counted {counted} != formula {formula}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bytes_sent_match_the_formula(cp: int) -> None:
+    run_on_ranks(cp, _count_bytes)
