@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,3 +223,35 @@ def test_trainer_starts_from_hf_and_exports_hf(tmp_path: Path, hf_folder: Path) 
     tokens = random_tokens(1)
     with torch.no_grad():
         assert torch.isfinite(load_reference(checkpoints / "step-1-hf")(tokens).logits).all()
+
+
+def test_initial_load_and_evaluate_inputs_fail_early_with_the_fix(tmp_path: Path, hf_folder: Path, capsys) -> None:
+    """Before any process group: each problem is named with the key and what to do."""
+    from upipe_dtensor import evaluate
+
+    cases = [
+        (["--checkpoint.initial_load_path", str(tmp_path / "none")], r"initial_load_path = .* is not a folder"),
+        (["--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_in_hf", "false"],
+         r"is not a DCP checkpoint \(no .metadata\); for a Hugging Face folder set initial_load_in_hf"),
+        (["--checkpoint.initial_load_path", str(tmp_path)], r"holds no \*.safetensors"),
+        (["--model.flavor", "debugmodel", "--model.hf_assets_path=", "--model.tokenizer_path",
+          str(REPO / "assets/tokenizer"), "--checkpoint.initial_load_path", str(hf_folder)],
+         r"the model to train and the weights in .*config.json differ: hidden_size = 256 \(model\) vs 64"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            check_job(_job(tmp_path, hf_folder, *extra), world_size=2)
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
+                   f'[job]\ndump_folder = "{tmp_path / "empty"}"\n')
+    for array, message in [
+        (np.zeros((2, 63), np.int64), "cannot be split over context_parallel_degree = 2"),
+        (np.zeros(64, np.int64), r"expected \(N, S\)"),
+        (np.full((1, 64), 5000), r"outside the model's vocabulary \[0, 2048\)"),
+        (np.zeros((1, 64), np.int64), "no weights to evaluate"),
+    ]:
+        np.save(tmp_path / "t.npy", array)
+        assert evaluate.main(["--config", str(job), "--tokens", str(tmp_path / "t.npy")]) == 2
+        assert re.search(message, capsys.readouterr().err), message
+        assert not dist.is_initialized()

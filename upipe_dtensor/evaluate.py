@@ -179,6 +179,13 @@ def main(argv: list[str]) -> int:
     try:
         tokens = read_tokens(args.tokens)
         config = parse_args(["--config", args.config, *overrides])
+        cp = config.parallelism.context_parallel_degree
+        if tokens.shape[1] % cp:
+            raise ConfigError(
+                f"--tokens {args.tokens}: sequences of {tokens.shape[1]} tokens cannot be split "
+                f"over context_parallel_degree = {cp}; cut them to a multiple of {cp}, e.g. "
+                f"{tokens.shape[1] // cp * cp}"
+            )
         config = dataclasses.replace(
             config, training=dataclasses.replace(config.training, seq_len=tokens.shape[1])
         )

@@ -7,7 +7,8 @@ config.json states ``intermediate_size``. ``Llama3`` subclasses torchtitan's ``T
 only resizes the attention and MLP projections when those differ; blocks, init and forward are
 torchtitan's. Its ``freqs_cis`` buffer holds the float64 inverse frequencies instead of a
 max_seq_len-row complex table: the CP style computes the angles of its shard's positions only
-(``kernels.rope``).
+(``kernels.rope``). So its attention runs under a CP style, which ``parallelize_llama`` always
+applies (cp = 1 included); torchtitan's own attention expects the table.
 """
 
 from __future__ import annotations
