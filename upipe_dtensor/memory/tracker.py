@@ -16,6 +16,7 @@ state); the rest is "other", or "loss" inside the output head (final norm, proje
 from __future__ import annotations
 
 import sys
+import types
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -51,17 +52,30 @@ _RULES: tuple[tuple[str, str | None, str], ...] = (
 _TITAN_FORWARDS = {"FeedForward.forward": MLP, "Attention.forward": ATTENTION}
 
 
+_PASS = "pass"  # no rule decides at this frame: look at its caller
+_FRAME_LABELS: dict[types.CodeType, str] = {}  # a frame's outcome depends on its code only
+
+
+def _frame_label(code: types.CodeType) -> str:
+    """The rules' verdict for a frame running ``code``: a label, ``_STOP`` or ``_PASS``."""
+    path = PurePath(code.co_filename).as_posix()
+    for suffix, function, label in _RULES:
+        if (suffix in path) and (function is None or code.co_name == function):
+            if label is None:
+                return _TITAN_FORWARDS.get(code.co_qualname, _PASS)
+            return label
+    return _PASS
+
+
 def _label_from_stack() -> str | None:
     frame = sys._getframe(2)
     while frame is not None:
-        path = PurePath(frame.f_code.co_filename).as_posix()
-        for suffix, function, label in _RULES:
-            if (suffix in path) and (function is None or frame.f_code.co_name == function):
-                if label is None:
-                    label = _TITAN_FORWARDS.get(frame.f_code.co_qualname)
-                    if label is None:
-                        break
-                return None if label == _STOP else label
+        code = frame.f_code
+        label = _FRAME_LABELS.get(code)
+        if label is None:
+            label = _FRAME_LABELS[code] = _frame_label(code)
+        if label != _PASS:
+            return None if label == _STOP else label
         frame = frame.f_back
     return None
 
