@@ -1,5 +1,6 @@
-"""Every recipe parses, validates, and builds its model and full parallel plan (UPipe/Ulysses,
-memory stack, FSDP2) at its real size and world size, on a fake process group with fake tensors."""
+"""Every recipe parses, validates, and builds its model and full parallel plan (CP style,
+memory stack, FSDP2) at its real size and world size, on a fake process group with fake tensors:
+UPipe, Ulysses, ring, FPDT and 2D recipes alike."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def _llama_31_8b_folder(folder: Path) -> str:
 def test_recipe_table_is_complete() -> None:
     names = {p.stem for p in RECIPES}
     for length in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"):
-        assert {f"llama3_8b_{length}", f"llama3_8b_ulysses_{length}"} <= names
-    assert {"llama3_32b_4M", "llama3_32b_ulysses_4M"} <= names
+        assert {f"llama3_8b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")} <= names
+    for length in ("1M", "2M", "4M"):
+        assert {f"llama3_32b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
@@ -63,7 +65,7 @@ def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
     dp = check_job(config, world)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        meshes = build_meshes("cpu", dp, world)
+        meshes = build_meshes("cpu", dp, world, config.parallelism.ring_degree)
         with FakeTensorMode(allow_non_fake_inputs=True):
             trainer = Trainer(config, meshes=meshes)
         assert trainer.model.model_args.max_seq_len == config.training.seq_len
