@@ -74,7 +74,9 @@ def _by_columns(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     The adapter's RoPE permutation reorders rows within each head. FSDP2 shards rows, and when a
     rank's rows do not hold whole heads (8 KV heads on 16 ranks) DTensor cannot reorder them in
     place. Sharded by columns, every rank holds all rows of its columns: the permutation is local,
-    and each rank still reads and writes only its 1/world of the weight.
+    and each rank still reads and writes only its 1/world of the weight. The re-sharding is an
+    all-to-all on NCCL; gloo has none, and DTensor falls back to an all-gather there (one block's
+    wq or wk whole on each CPU rank, briefly).
     """
     resharded = dict(state)
     for key, value in state.items():
