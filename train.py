@@ -4,29 +4,69 @@
     torchrun --nproc_per_node 8 train.py --config recipes/llama3_8b_5M.toml --training.steps 20
 
 Any ``--section.key value`` after the config overrides that key of the file.
+
+Exit codes: 0 trained to [training] steps (or already there); 1 a run-time failure explained in
+one line (damaged snapshots, no space, non-finite loss, dump folder in use); 2 a configuration
+error; 128 + N stopped by signal N (SIGTERM, SIGUSR1) after saving a snapshot.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-import torch.distributed as dist
+from upipe_dtensor.config import ConfigError, config_help, parse_args
+from upipe_dtensor.errors import JobComplete, JobError, JobStopped
 
-from upipe_dtensor.config import ConfigError, parse_args
-from upipe_dtensor.trainer import Trainer
+
+def _launcher_error(argv: list[str], config) -> ConfigError | None:
+    """train.py runs one process per rank; torchrun sets RANK/WORLD_SIZE (and the rendezvous)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return None
+    parallelism = config.parallelism
+    processes = parallelism.context_parallel_degree * max(parallelism.data_parallel_shard_degree, 1)
+    return ConfigError(
+        "train.py is started by torchrun, which sets RANK and WORLD_SIZE for each process; run "
+        f"torchrun --nproc_per_node {processes} train.py {' '.join(argv)}"
+    )
+
+
+def _say(message: str) -> None:
+    """Rank 0 prints a job-level message (every rank reaches the same outcome)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__ + "\nOptions (--section.key value, the [section] key of the TOML file):\n"
+              + config_help())
+        return 0
+    import torch.distributed as dist  # after --help: importing torch takes seconds
+
+    from upipe_dtensor.trainer import Trainer
+
     try:
         config = parse_args(argv)
+        if error := _launcher_error(argv, config):
+            raise error
         trainer = Trainer(config)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    try:
         trainer.train()
+    except ConfigError as err:
+        _say(f"config error: {err}")
+        return 2
+    except JobComplete as done:
+        _say(str(done))
+        return 0
+    except JobError as err:
+        _say(f"error: {err}")
+        return 1
+    except JobStopped as stopped:
+        _say(str(stopped))
+        return 128 + stopped.signum
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import importlib.util
+
+import torch.distributed as dist
+
+from harness import run_on_ranks
 from upipe_dtensor.config import ConfigError, check_job, load_config, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +47,9 @@ def test_extends_and_overrides(tmp_path: Path) -> None:
         ('[parallelism]\ncp_style = "zigzag"\n', r"cp_style = 'zigzag' is not one of \['upipe', 'ulysses', 'ring', 'fpdt'\]"),
         ("[training\nsteps = 1\n", r"job.toml: invalid TOML"),
         ('extends = "job.toml"\n', r"'extends' cycle"),
-        ('extends = "missing.toml"\n', r"missing.toml does not exist"),
+        ('extends = "missing.toml"\n', r"job.toml: extends = 'missing.toml', but the config file .*missing.toml does not exist"),
+        ('[training]\nseq_len = "256"\n', r"job.toml: \[training\] seq_len = '256' should be of type int; write it without quotes"),
+        ("[training]\nseq_len = 256.0\n", r"seq_len = 256.0 should be of type int"),
     ],
 )
 def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: str) -> None:
@@ -66,6 +73,10 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
         (["--training.dataset_path", "nowhere"], 2, r"dataset_path = 'nowhere' does not exist"),
         (["--training.steps", "0"], 2, r"\[training\] steps = 0 must be >= 1"),
         (["--unknown"], 2, "expected --section.key value"),
+        (["--training.dataset", " "], 2, r"command line: \[training\] dataset = ' ': use 'local'"),
+        (["--training.dataset", ""], 2, r"command line: \[training\] dataset = '': use 'local'"),
+        (["--checkpoint.load_step", "0"], 2, r"load_step = 0 must be -1 \(the latest snapshot\)"),
+        (["--job.stop_grace_seconds", "0"], 2, r"stop_grace_seconds = 0.0 must be > 0"),
     ],
 )
 def test_impossible_combinations(overrides: list[str], world: int, message: str) -> None:
@@ -78,8 +89,92 @@ def test_train_py_fails_fast_without_process_group(tmp_path: Path) -> None:
     job = _write(tmp_path, "job.toml", "[training]\nseq_len = 63\n[parallelism]\ncontext_parallel_degree = 2\n")
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--config", job],
-        capture_output=True, text=True, cwd=REPO, env={"WORLD_SIZE": "2", "PATH": ""},
+        capture_output=True, text=True, cwd=REPO, env={"RANK": "0", "WORLD_SIZE": "2", "PATH": ""},
         timeout=120,
     )
     assert result.returncode == 2
     assert "seq_len = 63 is not divisible" in result.stderr
+
+
+def test_config_folder_is_not_a_file(tmp_path: Path) -> None:
+    _write(tmp_path, "a.toml", "")
+    with pytest.raises(ConfigError, match=r"is a folder; pass a .toml job file, e.g. .*a.toml"):
+        load_config(str(tmp_path))
+
+
+def test_errors_blame_where_the_value_was_written(tmp_path: Path) -> None:
+    """A value from the command line is the command line's fault, one from a base file the base's."""
+    base = _write(tmp_path, "base.toml", "[training]\nseq_len = 63\n")
+    job = _write(tmp_path, "job.toml", 'extends = "base.toml"\n[parallelism]\ncontext_parallel_degree = 2\n')
+    with pytest.raises(ConfigError, match=rf"^{base} and {job}: \[training\] seq_len = 63 is not"):
+        check_job(load_config(job), 2)
+    with pytest.raises(ConfigError, match=rf"^command line and {job}: \[training\] seq_len = 65"):
+        check_job(load_config(job, ["--training.seq_len", "65"]), 2)
+    with pytest.raises(ConfigError, match=r"^command line: \[training\] steps = 0"):
+        check_job(load_config(job, ["--training.steps", "0", "--training.seq_len", "64"]), 2)
+
+
+def _train_py():
+    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_py_help_no_config_and_no_torchrun(capsys, monkeypatch) -> None:
+    train = _train_py()
+    assert train.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--training.seq_len (int, default 2048)" in out and "each CP rank holds" in out
+
+    assert train.main([]) == 2
+    assert "--config FILE.toml is required" in capsys.readouterr().err
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    debug = str(REPO / "train_configs/debug_model.toml")
+    assert train.main(["--config", debug]) == 2
+    processes = parse_args(["--config", debug]).parallelism.context_parallel_degree
+    assert f"run torchrun --nproc_per_node {processes} train.py --config {debug}" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_tokenizer_folder_without_tokenizer_json_is_a_config_error(tmp_path: Path) -> None:
+    from upipe_dtensor.trainer import Trainer
+
+    config = parse_args(["--config", str(REPO / "train_configs/debug_model.toml"),
+                         "--parallelism.context_parallel_degree", "1",
+                         "--model.tokenizer_path", str(tmp_path)])
+    with pytest.raises(ConfigError, match=rf"command line: \[model\] tokenizer_path: no tokenizer.json at '{tmp_path}'"):
+        Trainer(config)
+    assert not dist.is_initialized()  # found before any process group
+
+
+def _bad_jobs_fail_before_the_model(rank: int, world: int, tmp: str) -> None:
+    """Each case is a ConfigError on every rank (also one only rank 1 sees), before the model."""
+    import upipe_dtensor.trainer as trainer_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    trainer_module.build_llama3 = no_model
+    one_document = Path(tmp) / "one.txt"
+    blank = Path(tmp) / "blank.txt"
+    if rank == 0:
+        one_document.write_text("the only document")
+        blank.write_text(" \n\f\t\n")
+    dist.barrier()
+    base = ["--config", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "64",
+            "--parallelism.context_parallel_degree", "1", "--job.dump_folder", f"{tmp}/job"]
+    cases = [
+        (["--training.dataset_path", str(one_document)], "dp rank 1 of 2 gets none"),
+        (["--training.dataset_path", str(blank)], "has 0 non-blank documents"),
+        (["--checkpoint.load_step", "7"], r"load_step = 7, but .*job/checkpoint has no step-7; available: none"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            trainer_module.Trainer(parse_args([*base, *extra]))
+
+
+def test_data_and_snapshot_choice_fail_before_the_model(tmp_path: Path) -> None:
+    run_on_ranks(2, _bad_jobs_fail_before_the_model, str(tmp_path))

@@ -22,6 +22,7 @@ from .data import Tokenizer, build_tokenizer
 from .documents import document_ids, document_positions
 from .memory.offload import HostOffload
 from .models import Llama3, init_sharded_weights
+from .models.llama3 import Llama3Args
 from .models.hf_config import model_args
 from .parallel import UPipeAttention
 from .parallelize import ParallelMeshes, build_meshes, parallelize_llama
@@ -91,31 +92,43 @@ class ParallelModel:
         }
 
 
-def build_parallel_model(
-    config: JobConfig,
-    *,
-    meshes: ParallelMeshes | None = None,
-    device: torch.device | None = None,
-    host_device: torch.device = torch.device("cpu"),
-    mixed_precision: bool | None = None,
-) -> ParallelModel:
-    """Check ``config``, set up the process group and meshes, build and parallelise the model,
-    and fill it with the seed's initial weights (sharded; loaders overwrite them afterwards).
+@dataclass
+class JobSetup:
+    """What exists before the model: the checked job, its tokenizer, process group and meshes.
+    A caller (the trainer) can check the data and the snapshot to resume from here, before the
+    expensive part."""
 
-    By default the device is picked (CUDA if present) and the meshes are built. The memory
-    planner passes its own: meshes built before entering a FakeTensorMode (which cannot build
-    one), a device, a stand-in ``host_device`` for offloaded activations, and
-    ``mixed_precision=True`` to model a GPU run (default: mixed precision on CUDA only).
-    """
+    config: JobConfig
+    args: Llama3Args
+    tokenizer: Tokenizer
+    device: torch.device
+    meshes: ParallelMeshes
+    world_size: int
+    dp: int
+    dp_rank: int
+    cp: int
+    cp_rank: int
+
+
+def set_up_job(
+    config: JobConfig, *, meshes: ParallelMeshes | None = None, device: torch.device | None = None
+) -> JobSetup:
+    """Check ``config`` and the tokenizer (``ConfigError``, before any process group), then set up
+    the process group and the (dp_shard, cp) meshes. See ``build_parallel_model`` for the
+    arguments."""
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     )
     dp = check_job(config, world_size)  # before any process group or allocation
     args = model_args(config.model, config.training.seq_len)
-    tokenizer = build_tokenizer(config.model.tokenizer_folder)
+    try:
+        tokenizer = build_tokenizer(config.model.tokenizer_folder)
+    except ValueError as err:
+        where = config.source_of("model.tokenizer_path", "model.hf_assets_path")
+        raise ConfigError(f"{where}: [model] tokenizer_path: {err}") from err
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
-            f"{config.config_file or 'command line'}: the tokenizer at "
+            f"{config.source_of('model.tokenizer_path', 'model.flavor')}: the tokenizer at "
             f"{config.model.tokenizer_folder} has {tokenizer.vocab_size} tokens, more than the "
             f"model's vocab_size {args.vocab_size} (flavor {config.model.flavor!r})"
         )
@@ -130,25 +143,52 @@ def build_parallel_model(
     meshes = meshes or build_meshes(
         device.type, dp, parallelism.context_parallel_degree, parallelism.ring_degree
     )
+    return JobSetup(
+        config=config, args=args, tokenizer=tokenizer, device=device, meshes=meshes,
+        world_size=world_size, dp=dp, dp_rank=meshes.dp_shard.get_local_rank(),
+        cp=parallelism.context_parallel_degree, cp_rank=meshes.cp.get_local_rank(),
+    )
 
+
+def build_parallel_model(
+    config: JobConfig,
+    *,
+    meshes: ParallelMeshes | None = None,
+    device: torch.device | None = None,
+    host_device: torch.device = torch.device("cpu"),
+    mixed_precision: bool | None = None,
+    setup: JobSetup | None = None,
+) -> ParallelModel:
+    """Check ``config``, set up the process group and meshes, build and parallelise the model,
+    and fill it with the seed's initial weights (sharded; loaders overwrite them afterwards).
+
+    By default the device is picked (CUDA if present) and the meshes are built. The memory
+    planner passes its own: meshes built before entering a FakeTensorMode (which cannot build
+    one), a device, a stand-in ``host_device`` for offloaded activations, and
+    ``mixed_precision=True`` to model a GPU run (default: mixed precision on CUDA only).
+    ``setup``: the result of ``set_up_job`` if the caller already ran it.
+    """
+    setup = setup or set_up_job(config, meshes=meshes, device=device)
     with torch.device("meta"):
-        model = Llama3(args)
-    parallelized = parallelize_llama(model, meshes, config, device, host_device, mixed_precision)
-    model.to_empty(device=device)
-    init_sharded_weights(model, seed=config.training.seed, device=device)
+        model = Llama3(setup.args)
+    parallelized = parallelize_llama(
+        model, setup.meshes, config, setup.device, host_device, mixed_precision
+    )
+    model.to_empty(device=setup.device)
+    init_sharded_weights(model, seed=config.training.seed, device=setup.device)
     return ParallelModel(
         config=config,
         model=model,
-        tokenizer=tokenizer,
-        device=device,
-        meshes=meshes,
+        tokenizer=setup.tokenizer,
+        device=setup.device,
+        meshes=setup.meshes,
         cp_style=parallelized.cp_style,
         host_offload=parallelized.host_offload,
-        world_size=world_size,
-        dp=dp,
-        dp_rank=meshes.dp_shard.get_local_rank(),
-        cp=config.parallelism.context_parallel_degree,
-        cp_rank=meshes.cp.get_local_rank(),
+        world_size=setup.world_size,
+        dp=setup.dp,
+        dp_rank=setup.dp_rank,
+        cp=setup.cp,
+        cp_rank=setup.cp_rank,
     )
 
 

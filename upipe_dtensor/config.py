@@ -9,9 +9,12 @@ file, the key and a fix, before any process group exists.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import os
 import sys
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +30,21 @@ class ConfigError(ValueError):
     """A job configuration that cannot run; the message names the source, the key and a fix."""
 
 
+CpStyle = Literal["upipe", "ulysses", "ring", "fpdt"]
+"""The context-parallel attention styles; ``CP_STYLES`` (and so the planner's ``--styles``) follows."""
+CP_STYLES: tuple[str, ...] = typing.get_args(CpStyle)
+
+
 @dataclass
 class Job:
     dump_folder: str = "./outputs"
     """Folder for this job's logs, tensorboard events and checkpoints."""
     description: str = "default job"
     """Free text, printed at start-up."""
+    stop_grace_seconds: float = 20.0
+    """After SIGTERM or SIGUSR1, wait this long for the running step to end, then save a snapshot
+    and exit; if the step is still running then, exit at once without one. Keep it below the
+    scheduler's kill delay (torchrun, Slurm KillWait, Kubernetes: 30 s) minus a save's time."""
 
 
 @dataclass
@@ -109,7 +121,7 @@ class Parallelism:
     """FSDP data-parallel degree; -1 uses every rank not taken by context parallelism."""
     context_parallel_degree: int = 1
     """C: ranks that split each sequence (innermost mesh dimension)."""
-    cp_style: Literal["upipe", "ulysses", "ring", "fpdt"] = "upipe"
+    cp_style: CpStyle = "upipe"
     """Context-parallel attention: UPipe (a few heads per stage), classic Ulysses (all heads),
     ring attention (K/V passed around the CP group) or FPDT (Ulysses over sequence chunks, earlier
     chunks' K/V in host memory)."""
@@ -233,6 +245,14 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     config_file: str | None = None
     """The job file this config was loaded from (set by the loader)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each non-default key was set: ``"section.key"`` -> a file path or ``"command line"``."""
+
+    def source_of(self, *keys: str) -> str:
+        """The file(s) or the command line that set these ``"section.key"`` values, so an error
+        blames where the user wrote the value (defaults are blamed on the job file)."""
+        found = dict.fromkeys(self.sources[key] for key in keys if key in self.sources)
+        return " and ".join(found) or self.config_file or "defaults"
 
 
 # --- loading --------------------------------------------------------------------------------------
@@ -240,84 +260,115 @@ class JobConfig:
 
 def _sections() -> dict[str, type]:
     hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig) if f.name != "config_file"}
+    return {
+        f.name: hints[f.name] for f in dataclasses.fields(JobConfig)
+        if dataclasses.is_dataclass(hints[f.name])
+    }
 
 
 def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Check (and for CLI strings, convert) ``value`` against a field's annotation."""
+def _shown(path: Path) -> str:
+    """A path as the user would write it: relative to the working directory when inside it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _from_text(value: str, annotation: Any) -> Any:
+    """A command-line string converted to the field's type, or the string if it does not convert."""
+    if annotation is bool and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        if annotation is kind:
+            try:
+                return kind(value.replace("_", "")) if kind is int else kind(value)
+            except ValueError:
+                return value
+    optional = typing.get_args(annotation)
+    if optional and type(None) in optional and typing.get_origin(annotation) is not Literal:
+        inner = next(a for a in optional if a is not type(None))
+        return None if value in ("none", "None") else _from_text(value, inner)
+    return value
+
+
+def _coerce(value: Any, annotation: Any, where: str, *, from_text: bool = False) -> Any:
+    """Check ``value`` against a field's annotation. Only command-line strings (``from_text``) are
+    converted: in a TOML file ``seq_len = "256"`` is a string, and TOML has typed values for that."""
+    if from_text:
+        value = _from_text(value, annotation)
     origin = typing.get_origin(annotation)
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
             raise ConfigError(f"{where} = {value!r} is not one of {list(choices)}")
         return value
-    if annotation is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if isinstance(value, bool):
-            return value
-    elif annotation is int:
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif annotation is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif annotation is str:
-        if isinstance(value, str):
-            return value
-    elif typing.get_args(annotation) and type(None) in typing.get_args(annotation):  # X | None
-        inner = next(a for a in typing.get_args(annotation) if a is not type(None))
-        return None if value in (None, "none", "None") else _coerce(value, inner, where)
+    optional = typing.get_args(annotation)
+    if optional and type(None) in optional:  # X | None
+        if value is None:
+            return None
+        annotation = next(a for a in optional if a is not type(None))
+    if annotation is bool and isinstance(value, bool):
+        return value
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is str and isinstance(value, str):
+        return value
     type_name = getattr(annotation, "__name__", str(annotation))
-    raise ConfigError(f"{where} = {value!r} should be of type {type_name}")
+    fix = "; write it without quotes" if isinstance(value, str) and not from_text else ""
+    raise ConfigError(f"{where} = {value!r} should be of type {type_name}{fix}")
 
 
-def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, dict[str, Any]]:
-    """The file's sections, merged over its ``extends`` chain (base first)."""
+def _read_toml(
+    path: Path, seen: tuple[Path, ...] = (), extended_by: str = ""
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The file's sections merged over its ``extends`` chain (base first), and the file that set
+    each ``"section.key"``. ``extended_by`` names the file whose ``extends`` pointed here."""
+    shown = _shown(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass --config PATH to a .toml job file")
+        if path.is_dir():
+            tomls = sorted(_shown(p) for p in path.glob("*.toml"))[:5]
+            example = f", e.g. {', '.join(tomls)}" if tomls else ""
+            raise ConfigError(f"{extended_by}config file {shown} is a folder; pass a .toml job file{example}")
+        fix = "fix the path (relative to that file)" if extended_by else "pass --config PATH to a .toml job file"
+        raise ConfigError(f"{extended_by}config file {shown} does not exist; {fix}")
     if path in seen:
-        raise ConfigError(f"{path}: 'extends' cycle through {' -> '.join(map(str, seen))}")
+        raise ConfigError(f"{shown}: 'extends' cycle through {' -> '.join(map(_shown, seen))}")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: invalid TOML: {err}") from err
+        raise ConfigError(f"{shown}: invalid TOML: {err}") from err
     merged: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
     base = raw.pop("extends", None)
     if base is not None:
         if not isinstance(base, str):
-            raise ConfigError(f"{path}: extends = {base!r} should be a path string")
-        merged = _read_toml((path.parent / base).resolve(), seen + (path,))
+            raise ConfigError(f"{shown}: extends = {base!r} should be a path string")
+        merged, sources = _read_toml(
+            (path.parent / base).resolve(), seen + (path,), f"{shown}: extends = {base!r}, but the "
+        )
     sections = _sections()
     for name, table in raw.items():
         if name not in sections:
             raise ConfigError(
-                f"{path}: unknown section [{name}]; known sections: {sorted(sections)}"
+                f"{shown}: unknown section [{name}]; known sections: {sorted(sections)}"
             )
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: '{name}' must be a [{name}] table, not a value")
+            raise ConfigError(f"{shown}: '{name}' must be a [{name}] table, not a value")
         known = _field_types(sections[name])
         for key, value in table.items():
             if key not in known:
                 raise ConfigError(
-                    f"{path}: unknown key [{name}] {key}; known keys of [{name}]: {sorted(known)}"
+                    f"{shown}: unknown key [{name}] {key}; known keys of [{name}]: {sorted(known)}"
                 )
-            merged.setdefault(name, {})[key] = _coerce(value, known[key], f"{path}: [{name}] {key}")
-    return merged
+            merged.setdefault(name, {})[key] = _coerce(value, known[key], f"{shown}: [{name}] {key}")
+            sources[f"{name}.{key}"] = shown
+    return merged, sources
 
 
 def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -328,7 +379,10 @@ def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"command line: expected --section.key value, got {arg!r}")
+            raise ConfigError(
+                f"command line: expected --section.key value, got {arg!r}; "
+                "sections and keys are listed by --help"
+            )
         name_key, sep, value = arg[2:].partition("=")
         if not sep:
             if i + 1 >= len(args):
@@ -344,23 +398,27 @@ def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(
                 f"command line: unknown key --{name_key}; known keys of [{section}]: {sorted(known)}"
             )
-        overrides.setdefault(section, {})[key] = _coerce(value, known[key], f"command line: --{name_key}")
+        overrides.setdefault(section, {})[key] = _coerce(
+            value, known[key], f"command line: --{name_key}", from_text=True
+        )
     return overrides
 
 
 def load_config(config_file: str | None, overrides: list[str] | None = None) -> JobConfig:
     """Defaults <- the TOML file (and its bases) <- command-line overrides; validated types."""
     values: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
     if config_file is not None:
-        values = _read_toml(Path(config_file).resolve())
+        values, sources = _read_toml(Path(config_file).resolve())
     for section, table in _parse_overrides(overrides or []).items():
         values.setdefault(section, {}).update(table)
+        sources.update({f"{section}.{key}": "command line" for key in table})
     sections = _sections()
-    config = JobConfig(
+    return JobConfig(
         **{name: sections[name](**values.get(name, {})) for name in sections},
         config_file=config_file,
+        sources=sources,
     )
-    return config
 
 
 def parse_args(argv: list[str]) -> JobConfig:
@@ -378,7 +436,42 @@ def parse_args(argv: list[str]) -> JobConfig:
         else:
             rest.append(argv[i])
             i += 1
+    if config_file is None:
+        raise ConfigError(
+            "command line: --config FILE.toml is required (e.g. --config "
+            "train_configs/debug_model.toml); --help lists every --section.key option"
+        )
     return load_config(config_file, rest)
+
+
+def _field_docs(section_cls: type) -> dict[str, str]:
+    """The docstring under each field of a section (Python keeps none at run time: read the source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(section_cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def config_help() -> str:
+    """Every ``--section.key`` with its type, default and docstring, for ``train.py --help``."""
+    lines = []
+    for name, section_cls in _sections().items():
+        lines.append(f"[{name}]")
+        docs = _field_docs(section_cls)
+        for f in dataclasses.fields(section_cls):
+            annotation = _field_types(section_cls)[f.name]
+            kind = (" | ".join(map(repr, typing.get_args(annotation)))
+                    if typing.get_origin(annotation) is Literal
+                    else getattr(annotation, "__name__", str(annotation)))
+            lines.append(f"  --{name}.{f.name} ({kind}, default {f.default!r})")
+            if f.name in docs:
+                lines.append(textwrap.fill(docs[f.name], 100, initial_indent=" " * 6,
+                                           subsequent_indent=" " * 6))
+    return "\n".join(lines)
 
 
 def _check_positive(config: JobConfig, fail) -> None:
@@ -406,11 +499,21 @@ def _check_positive(config: JobConfig, fail) -> None:
     ):
         value = getattr(getattr(config, section), key)
         if value < minimum:
-            fail(f"[{section}] {key} = {value} must be >= {minimum}")
-    if config.optimizer.lr <= 0 or config.training.max_norm < 0:
-        fail("[optimizer] lr must be > 0 and [training] max_norm >= 0 (0 disables clipping)")
+            fail(f"[{section}] {key} = {value} must be >= {minimum}", f"{section}.{key}")
+    if config.optimizer.lr <= 0:
+        fail(f"[optimizer] lr = {config.optimizer.lr} must be > 0", "optimizer.lr")
+    if config.training.max_norm < 0:
+        fail(f"[training] max_norm = {config.training.max_norm} must be >= 0 (0 disables clipping)",
+             "training.max_norm")
     if not 0 <= config.lr_scheduler.min_lr_factor <= 1:
-        fail(f"[lr_scheduler] min_lr_factor = {config.lr_scheduler.min_lr_factor} must be in [0, 1]")
+        fail(f"[lr_scheduler] min_lr_factor = {config.lr_scheduler.min_lr_factor} must be in [0, 1]",
+             "lr_scheduler.min_lr_factor")
+    if config.job.stop_grace_seconds <= 0:
+        fail(f"[job] stop_grace_seconds = {config.job.stop_grace_seconds} must be > 0",
+             "job.stop_grace_seconds")
+    if config.checkpoint.load_step < -1 or config.checkpoint.load_step == 0:
+        fail(f"[checkpoint] load_step = {config.checkpoint.load_step} must be -1 (the latest "
+             "snapshot) or a snapshot's step", "checkpoint.load_step")
 
 
 def _check_context_parallel(config: JobConfig, args, fail) -> None:
@@ -424,23 +527,26 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
         divisors = [r for r in range(1, cp + 1) if cp % r == 0]
         fail(
             f"[parallelism] ring_degree = {ring} must divide context_parallel_degree = {cp}; "
-            f"use one of {divisors}"
+            f"use one of {divisors}", "parallelism.ring_degree", "parallelism.context_parallel_degree"
         )
     if ring > 1 and style not in ("upipe", "ulysses"):
         fail(
             f"[parallelism] ring_degree = {ring} adds a ring axis to cp_style 'upipe' or 'ulysses'; "
             f"cp_style {style!r} " + ("is already a ring over all C ranks" if style == "ring"
-                                      else "has no ring axis") + ": set ring_degree = 1"
+                                      else "has no ring axis") + ": set ring_degree = 1",
+            "parallelism.ring_degree", "parallelism.cp_style",
         )
     if parallelism.heads_per_stage and style in ("ulysses", "ring"):
-        fail(f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it")
+        fail(f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it",
+             "parallelism.heads_per_stage", "parallelism.cp_style")
     if style == "ring":  # any number of heads: nothing is exchanged by head
         return
     if style == "fpdt":
         try:
             chunk_count(config.training.seq_len, cp, parallelism.fpdt_chunk_tokens)
         except ValueError as err:
-            fail(f"[parallelism] fpdt_chunk_tokens = {parallelism.fpdt_chunk_tokens}: {err}")
+            fail(f"[parallelism] fpdt_chunk_tokens = {parallelism.fpdt_chunk_tokens}: {err}",
+                 "parallelism.fpdt_chunk_tokens", "training.seq_len", "parallelism.context_parallel_degree")
     heads = cp // ring
     if style == "ulysses" or (style == "fpdt" and not parallelism.heads_per_stage):
         heads_per_stage = args.n_heads
@@ -450,7 +556,9 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
         make_head_schedule(args.n_heads, args.n_kv_heads or args.n_heads, heads, heads_per_stage)
     except ValueError as err:
         axis = f"head axis of {heads} ranks (C / ring_degree)" if ring > 1 else f"cp degree {cp}"
-        fail(f"[parallelism] cp_style {style!r} over a {axis}, flavor {config.model.flavor!r}: {err}")
+        fail(f"[parallelism] cp_style {style!r} over a {axis}, flavor {config.model.flavor!r}: {err}",
+             "model.flavor", "parallelism.cp_style", "parallelism.heads_per_stage",
+             "parallelism.context_parallel_degree", "parallelism.ring_degree")
 
 
 def check_job(config: JobConfig, world_size: int) -> int:
@@ -458,18 +566,18 @@ def check_job(config: JobConfig, world_size: int) -> int:
     from .models.hf_config import model_args
     from .weights import check_initial_load
 
-    source = config.config_file or "command line"
-
-    def fail(reason: str) -> None:
-        raise ConfigError(f"{source}: {reason}")
+    def fail(reason: str, *keys: str) -> None:
+        """``keys``: the ``"section.key"`` values at fault; the message names where they were set."""
+        raise ConfigError(f"{config.source_of(*keys)}: {reason}")
 
     _check_positive(config, fail)
     parallelism, training = config.parallelism, config.training
     cp = parallelism.context_parallel_degree
+    cp_key, dp_key = "parallelism.context_parallel_degree", "parallelism.data_parallel_shard_degree"
     if world_size % cp:
         fail(
             f"[parallelism] context_parallel_degree = {cp} does not divide the {world_size} "
-            f"launched processes; launch a multiple of {cp} or change the degree"
+            f"launched processes; launch a multiple of {cp} or change the degree", cp_key
         )
     dp = parallelism.data_parallel_shard_degree
     if dp == -1:
@@ -478,38 +586,50 @@ def check_job(config: JobConfig, world_size: int) -> int:
         fail(
             f"[parallelism] data_parallel_shard_degree {dp} x context_parallel_degree {cp} = "
             f"{dp * cp} != {world_size} launched processes; set data_parallel_shard_degree = "
-            f"{world_size // cp} (or -1)"
+            f"{world_size // cp} (or -1)", dp_key, cp_key
         )
     if training.seq_len % cp:
         fail(
             f"[training] seq_len = {training.seq_len} is not divisible by context_parallel_degree "
-            f"= {cp}; use a multiple of {cp}, e.g. {training.seq_len // cp * cp or cp}"
+            f"= {cp}; use a multiple of {cp}, e.g. {training.seq_len // cp * cp or cp}",
+            "training.seq_len", cp_key,
         )
     if config.model.name != "llama3":
-        fail(f"[model] name = {config.model.name!r}: only 'llama3' is supported")
+        fail(f"[model] name = {config.model.name!r}: only 'llama3' is supported", "model.name")
+    model_keys = ("model.flavor", "model.hf_assets_path", "training.seq_len")
     try:
         args = model_args(config.model, training.seq_len)
     except ValueError as err:
-        fail(str(err))
+        fail(str(err), *model_keys)
     try:
         check_initial_load(config, args)
     except ValueError as err:
-        fail(str(err))
+        fail(str(err), "checkpoint.initial_load_path", "checkpoint.initial_load_in_hf", *model_keys)
     if config.activation_checkpoint.cpu_offload and config.activation_checkpoint.mode != "full":
         fail(
             "[activation_checkpoint] cpu_offload moves the inputs that full checkpointing keeps; "
-            "set mode = 'full' as well"
+            "set mode = 'full' as well",
+            "activation_checkpoint.cpu_offload", "activation_checkpoint.mode",
         )
     _check_context_parallel(config, args, fail)
-    if training.dataset == "local" and not os.path.exists(training.dataset_path):
+    dataset = training.dataset
+    if not dataset.strip() or dataset != dataset.strip():
+        fail(
+            f"[training] dataset = {dataset!r}: use 'local' (files at dataset_path) or a Hugging "
+            "Face dataset name without surrounding spaces", "training.dataset"
+        )
+    if dataset == "local" and not os.path.exists(training.dataset_path):
         fail(
             f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
-            f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name"
+            f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name",
+            "training.dataset_path",
         )
     if not os.path.exists(config.model.tokenizer_folder):
         fail(
             f"[model] tokenizer_path = {config.model.tokenizer_path!r} (hf_assets_path = "
             f"{config.model.hf_assets_path!r}) does not exist; point it at a folder with a "
-            f"Hugging Face tokenizer.json"
+            f"Hugging Face tokenizer.json", "model.tokenizer_path", "model.hf_assets_path"
         )
+    if not config.job.dump_folder.strip():
+        fail("[job] dump_folder is empty; name a folder for logs and checkpoints", "job.dump_folder")
     return dp

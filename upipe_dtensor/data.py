@@ -221,6 +221,11 @@ class PackedTextLoader:
         # Position of the next token: `offset` tokens of global document `document` are used.
         self._epoch, self._document, self._offset = 0, 0, 0
 
+    def check_first_document(self) -> None:
+        """Read (and tokenize) this rank's first document now, so an empty corpus or a bad first
+        record fails before a training job builds its model, not at its first batch."""
+        next(self._rank_documents(0, 0))
+
     def _rank_documents(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, global index, packed tokens) of this rank's documents from ``start`` on, forever.
 

@@ -35,7 +35,10 @@ class MetricsLogger:
         flops_per_token: float,
         world_size: int,
         enabled: bool,
+        first_step: int = 1,
     ) -> None:
+        """``first_step``: the step this run starts at; tensorboard hides events of earlier runs
+        from that step on, so the steps a resumed job replays appear once."""
         self.log_freq = log_freq
         self.device = device
         self.flops_per_token = flops_per_token
@@ -47,7 +50,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(log_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir)
+            self.writer = SummaryWriter(log_dir, purge_step=first_step)
 
     def log(
         self,

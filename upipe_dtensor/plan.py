@@ -15,9 +15,11 @@ import csv
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from .config import ConfigError, JobConfig, parse_args
+from .config import CP_STYLES, ConfigError, JobConfig, parse_args
 from .planner import GiB, Budget, Plan, plan_job
 
 
@@ -100,21 +102,69 @@ def write_sweep(out: Path, results: dict[str, tuple[int, list[Plan]]], budget: B
     plt.close(figure)
 
 
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` that must be > 0."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = _positive(float)(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be between 0 and 1 (e.g. 0.03 for 3%)")
+    return value
+
+
+def _styles(text: str) -> list[str]:
+    """Comma-separated CP styles, each one of the config's ``cp_style`` choices."""
+    styles = [style.strip() for style in text.split(",")]
+    unknown = [style for style in styles if style not in CP_STYLES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown cp style {', '.join(map(repr, unknown))}; choose from {', '.join(CP_STYLES)} "
+            "(comma-separated, e.g. upipe,ulysses)"
+        )
+    if len(set(styles)) != len(styles):
+        raise argparse.ArgumentTypeError(f"{text!r} names a style twice")
+    return styles
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Any other --section.key value overrides that key of the job file, as in train.py.",
+    )
     parser.add_argument("--config", required=True, help="job or recipe .toml")
-    parser.add_argument("--device-memory-gib", type=float, default=80.0, help="memory per GPU")
-    parser.add_argument("--host-memory-gib", type=float, default=2048.0, help="host RAM per node")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--device-memory-gib", type=_positive(float), default=80.0, help="memory per GPU")
+    parser.add_argument("--host-memory-gib", type=_positive(float), default=2048.0, help="host RAM per node")
+    parser.add_argument("--gpus-per-node", type=_positive(int), default=8)
+    parser.add_argument("--world-size", type=_positive(int), default=None,
                         help="ranks (default: cp degree x data_parallel_shard_degree)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--sweep", choices=["seq_len"], help="find the longest context that fits")
-    parser.add_argument("--styles", default="upipe,ulysses", help="cp styles to sweep")
-    parser.add_argument("--resolution", type=float, default=0.03,
+    parser.add_argument("--styles", type=_styles, default=None,
+                        help=f"cp styles to sweep, comma-separated, from: {', '.join(CP_STYLES)} "
+                             "(default: upipe,ulysses)")
+    parser.add_argument("--resolution", type=_fraction, default=0.03,
                         help="sweep precision, as a fraction of the longest context")
     parser.add_argument("--out", default="outputs/plan", help="folder for sweep.csv and sweep.png")
     args, overrides = parser.parse_known_args(argv)
+    for arg in overrides:
+        if arg.startswith("-") and "." not in arg.split("=", 1)[0]:
+            parser.error(f"unrecognized option {arg}; the planner's options are listed above, and "
+                         "--section.key value overrides the job file")
+    if args.styles is not None and not args.sweep:
+        parser.error("--styles applies to --sweep seq_len; for one plan set --parallelism.cp_style")
+    styles = args.styles or ["upipe", "ulysses"]
     budget = Budget(
         device_bytes=int(args.device_memory_gib * GiB),
         host_bytes_per_node=int(args.host_memory_gib * GiB),
@@ -126,7 +176,7 @@ def main(argv: list[str]) -> int:
             log = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
             results = {
                 style: longest_context(config, style, budget, args.world_size, log, args.resolution)
-                for style in args.styles.split(",")
+                for style in styles
             }
             write_sweep(Path(args.out), results, budget)
             summary = {style: best for style, (best, _) in results.items()}

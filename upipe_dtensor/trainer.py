@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from .build import build_parallel_model, load_initial_weights
-from .checkpoint import Checkpointer
-from .config import JobConfig
+from .build import JobSetup, build_parallel_model, load_initial_weights, set_up_job
+from .checkpoint import Checkpointer, choose_snapshot, resume_candidates, snapshots
+from .collective import on_every_rank, on_rank0
+from .config import ConfigError, JobConfig
 from .data import PackedTextLoader
+from .errors import JobError, JobStopped
+from .job_lock import JobLock
 from .metrics import MetricsLogger
 from .models import flops_per_token
 from .models.llama3 import IGNORE_INDEX
 from .parallelize import DTYPES, ParallelMeshes
+from .shutdown import StopRequests, watch_launcher
+from .storage import check_writable, snapshot_bytes_estimate, space_report
 from .weights import save_hf_weights
 
 
@@ -45,7 +53,13 @@ def lr_lambda(config: JobConfig):
 
 
 class Trainer:
-    """Builds everything from a validated ``JobConfig``; ``train()`` runs the steps."""
+    """Builds everything from a validated ``JobConfig``; ``train()`` runs the steps.
+
+    Everything that can be wrong with the job is found before the model is built: the config, the
+    tokenizer and the data (``ConfigError``), the dump folder (writable, not used by another job),
+    and the snapshot to resume from (a finished job raises ``JobComplete``; damaged snapshots are
+    reported and skipped; another data-parallel degree is refused).
+    """
 
     def __init__(
         self,
@@ -60,14 +74,43 @@ class Trainer:
         memory planner passes its own: meshes built before entering a FakeTensorMode (which cannot
         build one), a device, a stand-in ``host_device`` for offloaded activations, and
         ``mixed_precision=True`` to model a GPU run (default: mixed precision on CUDA only)."""
-        self.parallel = built = build_parallel_model(
-            config, meshes=meshes, device=device, host_device=host_device, mixed_precision=mixed_precision
+        setup = set_up_job(config, meshes=meshes, device=device)
+        self.config, self.device, self.meshes = config, setup.device, setup.meshes
+        self.cp_rank, self.cp, self.dp, self.world_size = setup.cp_rank, setup.cp, setup.dp, setup.world_size
+        self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
+        dump = Path(config.job.dump_folder)
+        checkpoint_folder = dump / config.checkpoint.folder
+        self.lock = _claim(config, dump, checkpoint_folder)
+        try:
+            self._build(setup, host_device, mixed_precision, dump, checkpoint_folder)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(
+        self, setup: JobSetup, host_device: torch.device, mixed_precision: bool | None,
+        dump: Path, checkpoint_folder: Path,
+    ) -> None:
+        """Everything after the dump folder is claimed: the snapshot to resume from, the model,
+        the optimizer, the checkpointer and the metrics."""
+        config, training = self.config, self.config.training
+        job = {"dp": self.dp, "cp": self.cp, "world_size": self.world_size,
+               "cp_style": config.parallelism.cp_style}
+        self.resume_from = (
+            choose_snapshot(
+                checkpoint_folder, resume_candidates(config, checkpoint_folder),
+                explicit=config.checkpoint.load_step != -1, job=job,
+            )
+            if config.checkpoint.enable
+            else None
         )
-        self.config, self.model, self.device = config, built.model, built.device
-        self.meshes, self.cp_style, self.host_offload = built.meshes, built.cp_style, built.host_offload
-        self.cp_rank, self.cp, self.world_size = built.cp_rank, built.cp, built.world_size
-        self.flops_per_token = flops_per_token(self.model, self.model.model_args, config.training.seq_len)
-        training, dp, dp_rank, world_size = config.training, built.dp, built.dp_rank, built.world_size
+        self.start_step = int(self.resume_from.name.split("-")[1]) if self.resume_from else 0
+
+        self.parallel = built = build_parallel_model(
+            config, setup=setup, host_device=host_device, mixed_precision=mixed_precision
+        )
+        self.model, self.cp_style, self.host_offload = built.model, built.cp_style, built.host_offload
+        self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
 
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -80,41 +123,42 @@ class Trainer:
             fused=self.device.type == "cuda" and not training.enable_cpu_offload,
         )
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
-        self.dataloader = PackedTextLoader(
-            dataset=training.dataset,
-            dataset_path=training.dataset_path,
-            text_field=training.dataset_text_field,
-            tokenizer=built.tokenizer,
-            seq_len=training.seq_len,
-            batch_size=training.local_batch_size,
-            dp_rank=dp_rank,
-            dp_world_size=dp,
-        )
-        dump = config.job.dump_folder
-        self.checkpointer = (
-            Checkpointer(
-                os.path.join(dump, config.checkpoint.folder),
+        self.checkpointer = None
+        if config.checkpoint.enable:
+            self.checkpointer = Checkpointer(
+                str(checkpoint_folder),
                 interval=config.checkpoint.interval,
                 keep_latest_k=config.checkpoint.keep_latest_k,
                 model=self.model,
                 optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler,
                 dataloader=self.dataloader,
-                dp_rank=dp_rank,
+                dp_rank=setup.dp_rank,
+                job=job,
             )
-            if config.checkpoint.enable
-            else None
-        )
+            self.checkpointer.snapshot_bytes = snapshot_bytes_estimate(self.model)
+            report = on_rank0(lambda: space_report(
+                checkpoint_folder, self.checkpointer.snapshot_bytes, config.checkpoint.keep_latest_k,
+                kept=len(snapshots(checkpoint_folder)), saves_left=self._saves_left(),
+            ))
+            if dist.get_rank() == 0:
+                print(report, file=sys.stderr if report.startswith("WARNING") else sys.stdout, flush=True)
         self.metrics = MetricsLogger(
-            log_dir=os.path.join(dump, config.metrics.save_tb_folder)
+            log_dir=str(dump / config.metrics.save_tb_folder)
             if config.metrics.enable_tensorboard
             else None,
             log_freq=config.metrics.log_freq,
             device=self.device,
             flops_per_token=self.flops_per_token,
-            world_size=world_size,
+            world_size=self.world_size,
             enabled=dist.get_rank() == 0,
+            first_step=self.start_step + 1,
         )
+
+    def _saves_left(self) -> int:
+        interval, steps = self.config.checkpoint.interval, self.config.training.steps
+        periodic = steps // interval - self.start_step // interval
+        return periodic + (steps % interval != 0)
 
     def shard_sequence(self, batch: torch.Tensor) -> torch.Tensor:
         """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
@@ -160,41 +204,158 @@ class Trainer:
             print(f"wrote the Hugging Face model to {folder}", flush=True)
         return folder
 
-    def train(self) -> list[float]:
-        """Run to ``training.steps`` (resuming from the latest snapshot); returns the losses."""
-        training = self.config.training
-        start = self.checkpointer.load(self.config.checkpoint.load_step) if self.checkpointer else 0
-        weights = f"snapshot step-{start}" if start else load_initial_weights(self.parallel)
+    def export_hf(self, step: int) -> str:
+        """Write the model as a Hugging Face folder, {checkpoint folder}/step-N-hf; returns it."""
+        config = self.config
+        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder, f"step-{step}-hf")
+        save_hf_weights(
+            self.model,
+            self.model.model_args,
+            folder,
+            dtype=DTYPES[config.checkpoint.export_dtype],
+            base_folder=config.model.hf_assets_path,
+            tokenizer_folder=config.model.tokenizer_folder,
+        )
         if dist.get_rank() == 0:
-            print(
-                f"{self.config.job.description}: {self.config.model.flavor}, seq_len "
-                f"{training.seq_len}, cp {self.cp} ({self.config.parallelism.cp_style}), "
-                f"world {self.world_size}, device {self.device.type}, from step {start} ({weights})",
-                flush=True,
-            )
-        batches = iter(self.dataloader)
+            print(f"wrote the Hugging Face model to {folder}", flush=True)
+        return folder
+
+    def describe(self, weights: str) -> str:
+        """The start-up line: the job as it will actually run (the config's free-text description
+        comes last, quoted, since it may not match the command-line overrides)."""
+        config, parallelism = self.config, self.config.parallelism
+        heads_axis = self.cp // parallelism.ring_degree
+        style = (f"UPipe (U = {parallelism.heads_per_stage or heads_axis})"
+                 if parallelism.cp_style == "upipe" else parallelism.cp_style)
+        if parallelism.ring_degree > 1:
+            style += f" on a ring of {parallelism.ring_degree} x {heads_axis} head ranks"
+        ranks = f"{self.world_size} rank{'s' * (self.world_size != 1)}"
+        return (
+            f"training {config.model.flavor}, seq_len {config.training.seq_len:,}, {style}, cp "
+            f"{self.cp} x dp {self.dp} = {ranks} on {self.device.type}, steps "
+            f"{self.start_step + 1}..{config.training.steps}, from {weights} "
+            f"[{config.config_file or 'no config file'}: {config.job.description!r}]"
+        )
+
+    def train(self) -> list[float]:
+        """Run to ``training.steps`` (resuming from the chosen snapshot); returns the losses.
+
+        Stops with ``JobError`` on a non-finite loss or gradient norm (nothing is saved), and with
+        ``JobStopped`` after SIGTERM/SIGUSR1 (a snapshot is saved at the step boundary)."""
+        training = self.config.training
         tokens_per_step = (
             training.seq_len * training.local_batch_size * training.gradient_accumulation_steps
             * (self.world_size // self.cp)
         )
-        losses = []
-        for step in range(start + 1, training.steps + 1):
-            began = time.perf_counter()
-            microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
-            loss, grad_norm = (t.item() for t in self.train_step(microbatches))
-            losses.append(loss)
-            self.metrics.log(
-                step,
-                loss=loss,
-                grad_norm=grad_norm,
-                lr=self.lr_scheduler.get_last_lr()[0],
-                tokens=tokens_per_step,
-                seconds=time.perf_counter() - began,
-                host_offload_bytes=self.host_offload.peak_host_bytes if self.host_offload else None,
-            )
-            if self.checkpointer is not None:
-                self.checkpointer.maybe_save(step, last=step == training.steps)
-            if step == training.steps and self.config.checkpoint.last_save_in_hf:
-                self.export_hf(step)
-        self.metrics.close()
+        stop = StopRequests(self.config.job.stop_grace_seconds, self._resume_hint())
+        watch_launcher()
+        try:
+            start = 0
+            if self.resume_from is not None:
+                start = self.checkpointer.load(self.resume_from)
+                self._follow_schedule()
+                stop.resume_hint = self._resume_hint()
+                weights = f"snapshot {self.resume_from}"
+            else:
+                weights = load_initial_weights(self.parallel)
+            if dist.get_rank() == 0:
+                print(self.describe(weights), flush=True)
+            batches = iter(self.dataloader)
+            losses = []
+            for step in range(start + 1, training.steps + 1):
+                began = time.perf_counter()
+                microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
+                lr = self.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler moves on)
+                loss, grad_norm = (t.item() for t in self.train_step(microbatches))
+                losses.append(loss)
+                self.metrics.log(
+                    step,
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    lr=lr,
+                    tokens=tokens_per_step,
+                    seconds=time.perf_counter() - began,
+                    host_offload_bytes=self.host_offload.peak_host_bytes if self.host_offload else None,
+                )
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    raise JobError(
+                        f"step {step}: loss {loss:.4g}, grad_norm {grad_norm:.4g}: not finite; "
+                        f"stopped without saving ({self._resume_hint()}). Lower [optimizer] lr or "
+                        "raise [lr_scheduler] warmup_steps, then run again"
+                    )
+                signum = stop.agreed(self.device)
+                if self.checkpointer is not None:
+                    self.checkpointer.maybe_save(step, last=step == training.steps or bool(signum))
+                    stop.resume_hint = self._resume_hint()
+                if step == training.steps and self.config.checkpoint.last_save_in_hf:
+                    self.export_hf(step)
+                if signum and step < training.steps:
+                    raise JobStopped(
+                        f"stopped by {signal.Signals(signum).name} after step {step} of "
+                        f"{training.steps} ({self._resume_hint()}); run the same command to resume",
+                        signum,
+                    )
+        finally:
+            stop.close()
+            self.metrics.close()
+            self.close()
         return losses
+
+    def _follow_schedule(self) -> None:
+        """Set the learning rate from this job's schedule at the resumed step: the snapshot holds
+        the rate its own ``[training] steps`` gave, which differs once steps is raised."""
+        factor = lr_lambda(self.config)(self.lr_scheduler.last_epoch)
+        for group, base_lr in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs):
+            group["lr"] = base_lr * factor
+
+    def _resume_hint(self) -> str:
+        if self.checkpointer is None:
+            return "checkpointing is off: nothing to resume from"
+        return self.checkpointer.describe_latest()
+
+    def close(self) -> None:
+        """Release the dump folder for the next job (also released if the process dies)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
+    """The data loader, after reading up to this rank's first document: an empty corpus or a bad
+    first record is a ConfigError now, not a traceback after the model is built."""
+    training = config.training
+    try:
+        loader = PackedTextLoader(
+            dataset=training.dataset,
+            dataset_path=training.dataset_path,
+            text_field=training.dataset_text_field,
+            tokenizer=setup.tokenizer,
+            seq_len=training.seq_len,
+            batch_size=training.local_batch_size,
+            dp_rank=setup.dp_rank,
+            dp_world_size=setup.dp,
+        )
+        loader.check_first_document()
+    except ValueError as err:
+        keys = ("training.dataset", "training.dataset_path", "training.dataset_text_field")
+        raise ConfigError(f"{config.source_of(*keys)}: [training] data: {err}") from err
+    return loader
+
+
+def _claim(config: JobConfig, dump: Path, checkpoint_folder: Path) -> JobLock | None:
+    """Rank 0 checks that the folders this job writes are writable and locks the dump folder
+    (every rank raises the same ``JobError`` if not). Nothing is written without tensorboard and
+    checkpoints (as in the planner), so then there is nothing to claim."""
+    if not (config.checkpoint.enable or config.metrics.enable_tensorboard):
+        return None
+    lock = JobLock(dump) if dist.get_rank() == 0 else None
+
+    def claim() -> None:
+        fix = "fix its permissions or set [job] dump_folder (and [checkpoint] folder) elsewhere"
+        check_writable(dump, "dump folder", fix)
+        if config.checkpoint.enable:
+            check_writable(checkpoint_folder, "checkpoint folder", fix)
+        lock.acquire()
+
+    on_rank0(claim)
+    return lock
