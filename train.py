@@ -14,27 +14,34 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from upipe_dtensor.config import ConfigError, config_help, parse_args
 from upipe_dtensor.errors import JobComplete, JobError, JobStopped
 
 
 def _launcher_error(argv: list[str], config) -> ConfigError | None:
-    """train.py runs one process per rank; torchrun sets RANK/WORLD_SIZE (and the rendezvous)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return None
+    """A job of several processes is started by torchrun, which sets RANK/WORLD_SIZE (a
+    one-process job may run under plain ``python``)."""
     parallelism = config.parallelism
     processes = parallelism.context_parallel_degree * max(parallelism.data_parallel_shard_degree, 1)
+    if processes == 1 or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return None
     return ConfigError(
         "train.py is started by torchrun, which sets RANK and WORLD_SIZE for each process; run "
         f"torchrun --nproc_per_node {processes} train.py {' '.join(argv)}"
     )
 
 
-def _say(message: str) -> None:
-    """Rank 0 prints a job-level message (every rank reaches the same outcome)."""
+def _say(message: str, code: int) -> int:
+    """Rank 0 prints a job-level outcome (every rank reaches the same one) and every rank returns
+    ``code``. torchrun stops all ranks as soon as one exits non-zero, so the others wait a moment
+    first: rank 0 must not be stopped before it has printed why."""
     if os.environ.get("RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
+    elif code != 0:
+        time.sleep(1.0)
+    return code
 
 
 def main(argv: list[str]) -> int:
@@ -48,22 +55,23 @@ def main(argv: list[str]) -> int:
 
     try:
         config = parse_args(argv)
+        if config.config_file is None:  # all defaults is never what a training job meant
+            raise ConfigError(
+                "command line: --config FILE.toml is required (e.g. --config "
+                "train_configs/debug_model.toml); --help lists every --section.key option"
+            )
         if error := _launcher_error(argv, config):
             raise error
         trainer = Trainer(config)
         trainer.train()
     except ConfigError as err:
-        _say(f"config error: {err}")
-        return 2
+        return _say(f"config error: {err}", 2)
     except JobComplete as done:
-        _say(str(done))
-        return 0
+        return _say(str(done), 0)
     except JobError as err:
-        _say(f"error: {err}")
-        return 1
+        return _say(f"error: {err}", 1)
     except JobStopped as stopped:
-        _say(str(stopped))
-        return 128 + stopped.signum
+        return _say(str(stopped), 128 + stopped.signum)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

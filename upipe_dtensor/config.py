@@ -422,7 +422,8 @@ def load_config(config_file: str | None, overrides: list[str] | None = None) -> 
 
 
 def parse_args(argv: list[str]) -> JobConfig:
-    """``--config FILE.toml`` followed by any ``--section.key value`` overrides."""
+    """``--config FILE.toml`` (optional: defaults otherwise) and any ``--section.key value``
+    overrides."""
     config_file = None
     rest: list[str] = []
     i = 0
@@ -436,11 +437,6 @@ def parse_args(argv: list[str]) -> JobConfig:
         else:
             rest.append(argv[i])
             i += 1
-    if config_file is None:
-        raise ConfigError(
-            "command line: --config FILE.toml is required (e.g. --config "
-            "train_configs/debug_model.toml); --help lists every --section.key option"
-        )
     return load_config(config_file, rest)
 
 

@@ -7,8 +7,9 @@ Schedulers send SIGTERM before preemption and SIGKILL a fixed time later (torchr
 Optimizer state is consistent only between steps, so a snapshot can be taken only at a step
 boundary. If the boundary does not come within ``grace_seconds`` of the signal (a long step),
 waiting is pointless: the rank exits at once, without a snapshot, and the previous snapshot stays
-the resume point. (The grace period starts when Python runs the handler, i.e. between two
-operations of the step: at most a single long kernel late.) Ranks agree at each boundary (one small all-reduce), so a signal that reaches
+the resume point. (The grace period starts when Python runs the handler, between two Python
+operations of the step; a rank blocked in one long call, such as a GPU synchronisation, sees the
+signal when that call returns.) Ranks agree at each boundary (one small all-reduce), so a signal that reaches
 only some ranks still stops all of them at the same step.
 """
 
