@@ -21,7 +21,8 @@ from upipe_dtensor.memory.host_store import HostMemory
 from upipe_dtensor.memory.tracker import LiveMemoryTracker
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
 
-HEADS, KV_HEADS, HEAD_DIM, DIM, CHUNK = 8, 4, 16, 128, 256
+HEADS, KV_HEADS, HEAD_DIM, CHUNK = 8, 4, 16, 256
+DIM = 8  # narrow: the layer output (made after the chunk loop) stays below one chunk's work
 
 
 def _transients(chunks: int, chunk_tokens: int) -> tuple[int, int, int]:
@@ -32,6 +33,7 @@ def _transients(chunks: int, chunk_tokens: int) -> tuple[int, int, int]:
     with FakeTensorMode(), transparent_ops(), tracker:
         x = torch.empty(1, seq_len, DIM, requires_grad=True)
         weights = [torch.empty(h * HEAD_DIM, DIM, requires_grad=True) for h in (HEADS, KV_HEADS, KV_HEADS)]
+        weights.append(torch.empty(DIM, HEADS * HEAD_DIM, requires_grad=True))  # wo
         rope = torch.empty(seq_len, HEAD_DIM // 2, 2)
         tracker.start_step()
         start = tracker.totals["cpu"]
@@ -39,7 +41,11 @@ def _transients(chunks: int, chunk_tokens: int) -> tuple[int, int, int]:
             x, *weights, rope, group_name="", cp_size=1, head_dim=HEAD_DIM, heads_per_stage=HEADS,
             chunks=chunks, store_name=host.name, backend="sdpa",
         )
-        forward = tracker.peaks["cpu"].bytes - start - out.nbytes - _lse_bytes(seq_len)
+        # Alive through the loop: the pre-wo output buffer and the LSEs (saved for backward). The
+        # layer output y comes after the loop; it must be below the loop's own peak.
+        saved = seq_len * HEADS * HEAD_DIM * 4 + _lse_bytes(seq_len)
+        forward = tracker.peaks["cpu"].bytes - start - saved
+        assert forward > out.nbytes
         grad = torch.empty_like(out)
         tracker.start_step()
         start = tracker.totals["cpu"]

@@ -21,7 +21,7 @@ from harness import run_on_ranks
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.memory.tracker import LiveMemoryTracker
-from upipe_dtensor.planner import Budget, plan_job, tracked_step
+from upipe_dtensor.planner import CUDA_CONTEXT, NCCL_BUFFERS, Budget, CudaAllowances, plan_job, tracked_step
 from upipe_dtensor.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,9 +87,16 @@ def test_planner_predicts_real_peak_within_5_percent(tmp_path: Path, cp: int) ->
 
 def test_plan_reports_breakdown_and_fit(tmp_path: Path) -> None:
     config = _config(str(tmp_path), 2, JOBS["ulysses+all"])
-    plan = plan_job(config, Budget(device_bytes=GiB))
+    plan = plan_job(config, Budget(device_bytes=8 * GiB))
     assert plan.fits and plan.device_peak_bytes > 0 and plan.host_peak_bytes > 0
     assert sum(plan.device_breakdown.values()) == plan.device_peak_bytes
+    # A GPU plan adds what CUDA holds outside the step: context, NCCL (default, FSDP and the cp
+    # all-to-all group), cuBLAS workspace and a fragmentation margin.
+    allowances = CudaAllowances()
+    assert plan.device_breakdown[CUDA_CONTEXT] == allowances.context_bytes
+    assert plan.device_breakdown[f"{NCCL_BUFFERS} (3 communicators)"] == 3 * allowances.nccl_bytes_per_communicator
+    cpu_plan = plan_job(config, Budget(device_bytes=8 * GiB), target="cpu")
+    assert CUDA_CONTEXT not in cpu_plan.device_breakdown
     assert not plan_job(config, Budget(device_bytes=plan.device_peak_bytes - 1)).fits
     assert "block" in plan.device_peak_when or "head" in plan.device_peak_when
 
@@ -102,7 +109,7 @@ def test_cli_json_and_sweep(tmp_path: Path) -> None:
     assert {"device_peak_bytes", "host_peak_bytes", "device_breakdown", "budget", "fits"} <= set(report)
 
     sweep = subprocess.run(
-        [*base, "--sweep", "seq_len", "--styles", "upipe,ulysses", "--device-memory-gib", "0.6",
+        [*base, "--sweep", "seq_len", "--styles", "upipe,ulysses", "--device-memory-gib", "3.2",
          "--resolution", "0.2", "--out", str(tmp_path), "--json"],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )

@@ -145,6 +145,11 @@ class ActivationCheckpoint:
     """Keep the checkpointed block inputs in host memory (async pinned copies, prefetched)."""
     cpu_offload_skip_last: int = 1
     """The last N blocks keep their inputs on the device: backward needs them first."""
+    cpu_offload_prefetch: bool = True
+    """Copy the next block's input back while the current block recomputes. At millions of
+    tokens a block takes minutes and the copy a fraction of a second, so the long recipes turn it
+    off: the prefetched input would sit on the device through the whole block (one more (S/C, D)
+    tensor at the peak)."""
 
 
 @dataclass

@@ -128,6 +128,10 @@ def apply_fsdp(
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: keep them.
         shard(block, reshard_after_forward=reshard and index < len(blocks) - 1)
+    # The head as its own unit (as torchtitan does): its gradients, the output layer's above all
+    # (V x D), are reduce-scattered as soon as the loss's backward is done, not at the very end.
+    # It is gathered at the final norm's forward, before the loss reads the output weight.
+    shard([model.norm, model.output], reshard_after_forward=False)
     shard(model, reshard_after_forward=False)
 
 
@@ -154,7 +158,7 @@ def parallelize_llama(
     if config.compile.enable:
         apply_compile(model, config)
     ac = config.activation_checkpoint
-    offload = HostOffload(device, host_device) if ac.cpu_offload else None
+    offload = HostOffload(device, host_device, prefetch=ac.cpu_offload_prefetch) if ac.cpu_offload else None
     if ac.mode == "full":
         apply_activation_checkpointing(model, offload=offload, offload_skip_last=ac.cpu_offload_skip_last)
     if mixed_precision is None:

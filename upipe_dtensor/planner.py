@@ -7,14 +7,16 @@ backward and the optimizer step. The custom ops run transparently (``kernels.op_
 tracker sees the buffers inside UPipe's stage loop, the MLP tiles and the loss chunks.
 
 Fake CPU tensors stand in for GPU memory and fake ``meta`` tensors for the host buffers of the
-activation offload. FSDP2 CPU offload (``[training] enable_cpu_offload``) is modelled by moving the
-sharded float32 parameters, gradients and optimizer state from the device to the host. The
-numbers are an allocator without fragmentation: leave some headroom (the CUDA caching allocator,
-CUDA context and NCCL buffers are not in the plan).
+activation offload and FPDT's chunks. FSDP2 CPU offload (``[training] enable_cpu_offload``) is
+modelled by moving the sharded float32 parameters, gradients and optimizer state from the device
+to the host. What a CUDA run holds outside the step's tensors (CUDA context, NCCL buffers, cuBLAS
+workspaces, allocator fragmentation) is added as documented allowances (``CudaAllowances``), and
+flash-attn's backward workspace is allocated in the fake step where the kernel would allocate it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -25,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .config import JobConfig, check_job
+from .kernels.attention import planning_cuda_workspaces
 from .kernels.op_mode import transparent_ops
 from .memory.tracker import MODEL_STATES, LiveMemoryTracker
 from .parallelize import build_meshes
@@ -32,6 +35,58 @@ from .trainer import Trainer
 
 GiB = 2**30
 DEVICE, HOST = torch.device("cpu"), torch.device("meta")  # fake stand-ins for GPU and host RAM
+
+
+@dataclass(frozen=True)
+class CudaAllowances:
+    """What a CUDA run holds on each GPU that the fake step cannot see, each a documented,
+    deliberately generous allowance (no GPU has been available to measure them here):
+
+    - ``context_bytes``: the CUDA context and the loaded kernel images of torch, NCCL and
+      flash-attn. It is not in torch's allocator; with CUDA 12's lazy module loading it is commonly
+      reported at 0.5-0.8 GiB on H100 (nvidia-smi minus torch.cuda.memory_reserved). 1 GiB.
+    - ``nccl_bytes_per_communicator``: NCCL's buffers, per communicator this rank belongs to (the
+      default group, the FSDP group and each CP axis; NCCL creates one per process group on first
+      use). NCCL's documented default is NCCL_BUFFSIZE = 4 MiB per channel and direction, with up
+      to 32 channels (2 x 4 MiB x 32 = 256 MiB), plus point-to-point and NVLink-SHARP buffers.
+      0.5 GiB each.
+    - ``cublas_workspace_bytes``: cuBLAS/cuBLASLt workspaces of the compute stream (torch's
+      default CUBLAS_WORKSPACE_CONFIG on Hopper is 32 MiB, once per library). 64 MiB.
+    - ``fragmentation``: caching-allocator rounding (512-byte blocks, 2 MiB pages) and what
+      expandable segments cannot hand back, as a fraction of the tracked peak. 5%.
+
+    flash-attn's backward workspace is not an allowance: the attention kernels allocate it in the
+    fake step at the moment the CUDA kernel would (``kernels.attention.planning_cuda_workspaces``).
+    """
+
+    context_bytes: int = GiB
+    nccl_bytes_per_communicator: int = GiB // 2
+    cublas_workspace_bytes: int = 64 * 2**20
+    fragmentation: float = 0.05
+
+    def rows(self, tracked_peak: int, communicators: int) -> dict[str, int]:
+        return {
+            CUDA_CONTEXT: self.context_bytes,
+            f"{NCCL_BUFFERS} ({communicators} communicators)": communicators * self.nccl_bytes_per_communicator,
+            CUBLAS_WORKSPACE: self.cublas_workspace_bytes,
+            f"{FRAGMENTATION} ({self.fragmentation:.0%})": int(tracked_peak * self.fragmentation),
+        }
+
+
+CUDA_CONTEXT, NCCL_BUFFERS, CUBLAS_WORKSPACE = "CUDA context", "NCCL buffers", "cuBLAS workspace"
+FRAGMENTATION = "allocator rounding and fragmentation"
+
+
+def nccl_communicators(config: JobConfig, world_size: int) -> int:
+    """Communicators one rank creates: the default group and FSDP's (more than one rank), the
+    head all-to-all axis and the ring axis (each when it has more than one rank)."""
+    parallelism = config.parallelism
+    cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
+    if parallelism.cp_style == "ring":
+        heads, ring = 1, cp
+    else:
+        heads = cp // ring
+    return 2 * (world_size > 1) + (heads > 1) + (ring > 1)
 
 
 @dataclass
@@ -183,11 +238,14 @@ def plan_job(
     world_size: int | None = None,
     *,
     target: str = "cuda",
+    allowances: CudaAllowances | None = None,
 ) -> Plan:
     """Run one fake training step of ``config`` as rank 0 and report its memory.
 
     ``target="cuda"`` models a GPU run (bf16 mixed precision, offloaded activations on the
-    host); ``target="cpu"`` models a CPU run (float32, host and device are one memory).
+    host, flash-attn's backward workspace, and the ``allowances`` for what CUDA holds outside
+    the step); ``target="cpu"`` models a CPU run (float32, host and device are one memory, no
+    allowances), which the tests compare with real CPU runs.
     """
     host = HOST if target == "cuda" else DEVICE
     budget = budget or Budget()
@@ -205,7 +263,8 @@ def plan_job(
     try:
         meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
         tracker = LiveMemoryTracker()
-        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker:
+        kernels = planning_cuda_workspaces() if target == "cuda" else contextlib.nullcontext()
+        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), kernels, tracker:
             trainer = Trainer(
                 config,
                 meshes=meshes,
@@ -223,6 +282,10 @@ def plan_job(
             device_peak -= moved
             breakdown[MODEL_STATES] = breakdown.get(MODEL_STATES, 0) - moved
             host_peak += moved
+        if target == "cuda":
+            extra = (allowances or CudaAllowances()).rows(device_peak, nccl_communicators(config, world_size))
+            breakdown.update(extra)
+            device_peak += sum(extra.values())
     finally:
         dist.destroy_process_group()
     ranks_per_node = min(world_size, budget.gpus_per_node)

@@ -34,7 +34,9 @@ and the boundary metadata is a few integers per document.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -59,6 +61,42 @@ def resolve_backend(name: str, device: torch.device) -> str:
             "(pip install 'upipe-dtensor[flash]'); use backend='sdpa' or 'auto'"
         )
     return name
+
+
+# --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
+
+_PLANNED_CUDA_BACKEND: str | None = None
+
+
+@contextlib.contextmanager
+def planning_cuda_workspaces(backend: str = "flash") -> Iterator[None]:
+    """The memory planner runs the CPU kernels on fake tensors for a GPU job; inside this context
+    every backward call also allocates, for the duration of the call, the workspace the CUDA kernel
+    allocates internally (see ``cuda_backward_workspace_bytes``)."""
+    global _PLANNED_CUDA_BACKEND
+    previous, _PLANNED_CUDA_BACKEND = _PLANNED_CUDA_BACKEND, backend
+    try:
+        yield
+    finally:
+        _PLANNED_CUDA_BACKEND = previous
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def cuda_backward_workspace_bytes(q: Tensor, k: Tensor, backend: str) -> int:
+    """Bytes flash-attn 2's backward (``mha_bwd`` in csrc/flash_attn/flash_api.cpp, also aten's
+    copy of it) allocates besides its outputs: a float32 dQ accumulator (B, round128(Sq), hq,
+    round32(d)) and softmax_d (B, hq, round128(Sq)); with GQA, flash-attn expands dK and dV to
+    every query head (2 x (B, Sk, hq, d) in the input dtype) before summing them. The aten path
+    gets K/V already repeated to the query heads, so it has no expansion."""
+    batch, seq_q, heads, head_dim = q.shape
+    rows = _round_up(seq_q, 128)
+    workspace = batch * rows * heads * _round_up(head_dim, 32) * 4 + batch * heads * rows * 4
+    if backend == "flash" and k.shape[2] != heads:
+        workspace += 2 * batch * k.shape[1] * heads * head_dim * q.element_size()
+    return workspace
 
 
 # --- dense blocks: one kernel call -------------------------------------------------------------
@@ -98,6 +136,18 @@ def _dense_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, 
 
 
 def _dense_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    scale: float, backend: str, causal: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if _PLANNED_CUDA_BACKEND is not None:  # held through the call, as the CUDA kernel holds it
+        workspace = q.new_empty(cuda_backward_workspace_bytes(q, k, _PLANNED_CUDA_BACKEND), dtype=torch.uint8)
+        grads = _kernel_backward(grad_out, q, k, v, out, lse, scale, backend, causal)
+        del workspace
+        return grads
+    return _kernel_backward(grad_out, q, k, v, out, lse, scale, backend, causal)
+
+
+def _kernel_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     scale: float, backend: str, causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -9,7 +9,9 @@ autograd graph and stay where they are.
 
 On CUDA the device-to-host copy runs on a side stream into pinned host buffers (reused from step
 to step), and during backward the input of the *next* block to be recomputed is copied back on
-another side stream while the current block computes, so the copies hide behind compute. On CPU
+another side stream while the current block computes, so the copies hide behind compute
+(``prefetch``; at millions of tokens the copy is negligible next to a block's compute and the
+prefetched input would raise the peak by one block input, so long recipes turn it off). On CPU
 the same code path runs with plain copies and no streams (numerically identical, no memory saved).
 """
 
@@ -43,8 +45,13 @@ class HostOffload:
     as host.
     """
 
-    def __init__(self, device: torch.device, host_device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self, device: torch.device, host_device: torch.device = torch.device("cpu"), *,
+        prefetch: bool = True,
+    ) -> None:
         self.store = HostStore(device, host_device)
+        self.prefetch = prefetch
+        """Start copying the next block's input back as soon as the current one is fetched."""
         self._in_flight: list[_Offloaded] = []
 
     @property
@@ -66,7 +73,7 @@ class HostOffload:
         if not isinstance(handle, _Offloaded):
             return handle
         self.store.prefetch(handle.parked)  # queued first: it is needed now
-        if handle.index > 0:  # backward runs blocks in reverse: the previous one is next
+        if self.prefetch and handle.index > 0:  # backward runs blocks in reverse: the previous one is next
             self.store.prefetch(self._in_flight[handle.index - 1].parked)
         tensor = self.store.retrieve(handle.parked, release=True)
         if handle.index == 0:

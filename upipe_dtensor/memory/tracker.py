@@ -30,6 +30,12 @@ from torch.utils._pytree import tree_flatten
 MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
     "parameters + gradients + optimizer state", "attention", "mlp", "loss", "activation offload", "other"
 )
+NORMS = "rmsnorm outputs"
+"""A block's normalised activations (the attention's and the MLP's inputs), kept while the block
+that uses them runs."""
+GRADIENTS = "activation gradients"
+"""Gradients autograd passes between ops (e.g. of a block's output and its residual stream),
+allocated by torch's C++ autograd functions rather than by this project's code."""
 
 # (path suffix, function name or None for any) -> label; the innermost matching frame wins.
 # Checkpoint recompute is triggered from inside whichever backward first needs a saved tensor:
@@ -41,6 +47,8 @@ _RULES: tuple[tuple[str, str | None, str], ...] = (
     ("upipe_dtensor/memory/tiled_mlp.py", None, MLP),
     ("torchtitan/models/llama3/model/model.py", "forward", None),  # resolved by qualname below
     ("upipe_dtensor/memory/chunked_loss.py", None, LOSS),
+    ("upipe_dtensor/memory/rms_norm.py", None, NORMS),
+    ("torch/nn/functional.py", "rms_norm", NORMS),
     ("torch/nn/functional.py", "cross_entropy", LOSS),
     # Copies made by the shared host store count for whoever asked: the activation offload here,
     # the attention for FPDT's K/V chunks (matched by the attention rules above).
@@ -48,6 +56,9 @@ _RULES: tuple[tuple[str, str | None, str], ...] = (
     ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", None, MODEL_STATES),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", None, MODEL_STATES),
     ("torch/optim/", None, MODEL_STATES),
+    # Innermost Python frame of a C++ autograd function's allocation (our own backward code is
+    # matched by the rules above first).
+    ("torch/autograd/graph.py", "_engine_run_backward", GRADIENTS),
 )
 _TITAN_FORWARDS = {"FeedForward.forward": MLP, "Attention.forward": ATTENTION}
 

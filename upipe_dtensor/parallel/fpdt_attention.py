@@ -42,8 +42,8 @@ from torch import Tensor
 
 from ..kernels.attention import attention_backward, attention_forward, resolve_backend
 from ..kernels.merge import PartialAttention
-from ..kernels.op_mode import OpSpec, call
 from ..memory.host_store import HostStore, Parked, named_host_store
+from .attention_op import AttentionOp
 from .layouts import split_lengths
 from .projections import AttentionProjections
 
@@ -103,11 +103,12 @@ class _Parking:
 
 
 def fpdt_forward(
-    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor, doc_ids: Tensor | None,
-    group_name: str, cp_size: int, head_dim: int, heads_per_stage: int, chunks: int,
-    scale: float, backend: str, store_name: str,
-) -> tuple[Tensor, Tensor]:
-    """The chunk loop; returns (out (B, S/C, H*d), lse (stages, B, U/C, S) float32)."""
+    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rope: Tensor,
+    doc_ids: Tensor | None, group_name: str, cp_size: int, head_dim: int, heads_per_stage: int,
+    chunks: int, scale: float, backend: str, store_name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunk loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
+    lse (stages, B, U/C, S) float32)."""
     layer = _Chunks(x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks)
     schedule, backend = layer.schedule, resolve_backend(backend, x.device)
     parking = _Parking(named_host_store(store_name, x.device) if chunks > 1 else None)
@@ -145,20 +146,21 @@ def fpdt_forward(
             del o_i
         if stage.closes_kv_block:
             parking.clear()
-    return out.view(x.shape[0], x.shape[1], -1), lse
+    out = out.view(x.shape[0], x.shape[1], -1)
+    return out @ wo.t(), out, lse
 
 
 def fpdt_backward(
-    grad_out: Tensor, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor,
+    grad_y: Tensor, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rope: Tensor,
     doc_ids: Tensor | None, out: Tensor, lse: Tensor, group_name: str, cp_size: int,
     head_dim: int, heads_per_stage: int, chunks: int, scale: float, backend: str, store_name: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The paper's backward order per stage; returns (dx, dwq, dwk, dwv)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The paper's backward order per stage; returns (dx, dwq, dwk, dwv, dwo)."""
     layer = _Chunks(x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks)
     schedule, backend = layer.schedule, resolve_backend(backend, x.device)
     parking = _Parking(named_host_store(store_name, x.device) if chunks > 1 else None)
-    heads_shape = (x.shape[0], x.shape[1], schedule.n_heads, head_dim)
-    out, grad_out = out.view(heads_shape), grad_out.reshape(heads_shape)
+    grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
+    out = out.view(x.shape[0], x.shape[1], schedule.n_heads, head_dim)
     grad_x = torch.zeros_like(x)
     grad_wq, grad_wk, grad_wv = (torch.zeros_like(w).view(-1, head_dim, x.shape[-1]) for w in (wq, wk, wv))
     count = len(layer.spans)
@@ -173,7 +175,7 @@ def fpdt_backward(
                 del k_i, v_i
             parking.put(("q", i), span.query_for_stage(stage, rope_i))
             parking.put(("o", i), span.to_heads(span.read_stage(out[:, layer.local[i]], stage)))
-            parking.put(("do", i), span.to_heads(span.read_stage(grad_out[:, layer.local[i]], stage)))
+            parking.put(("do", i), span.output_grad(grad_y[:, layer.local[i]], wo, stage))
 
         for j, span_j in enumerate(layer.spans):  # outer: K/V chunks
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
@@ -221,90 +223,28 @@ def fpdt_backward(
             del grad_k_j, grad_v_j
         if stage.closes_kv_block:
             parking.clear()
-    return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv)
+    return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv), grad_wo
 
 
-# --- registration: one opaque op pair, so torch.compile sees a single node per layer ---------
-
-
-@torch.library.custom_op("upipe::fpdt_fwd", mutates_args=())
-def _fpdt_fwd(
-    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor, doc_ids: Tensor | None,
-    group_name: str, cp_size: int, head_dim: int, heads_per_stage: int, chunks: int,
-    scale: float, backend: str, store_name: str,
-) -> tuple[Tensor, Tensor]:
-    return fpdt_forward(
-        x, wq, wk, wv, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage, chunks,
-        scale, backend, store_name,
-    )
-
-
-@_fpdt_fwd.register_fake
-def _(x, wq, wk, wv, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage, chunks,
-      scale, backend, store_name):
-    batch, local_len, _ = x.shape
-    n_stages = wq.shape[0] // head_dim // heads_per_stage
-    out = x.new_empty(batch, local_len, wq.shape[0])
-    lse = x.new_empty(
-        n_stages, batch, heads_per_stage // cp_size, local_len * cp_size, dtype=torch.float32
-    )
-    return out, lse
-
-
-@torch.library.custom_op("upipe::fpdt_bwd", mutates_args=())
-def _fpdt_bwd(
-    grad_out: Tensor, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor,
-    doc_ids: Tensor | None, out: Tensor, lse: Tensor, group_name: str, cp_size: int,
-    head_dim: int, heads_per_stage: int, chunks: int, scale: float, backend: str, store_name: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return fpdt_backward(
-        grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, group_name, cp_size, head_dim,
-        heads_per_stage, chunks, scale, backend, store_name,
-    )
-
-
-@_fpdt_bwd.register_fake
-def _(grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, *args):
-    return torch.empty_like(x), torch.empty_like(wq), torch.empty_like(wk), torch.empty_like(wv)
-
-
-_CONSTANTS = (
-    "group_name", "cp_size", "head_dim", "heads_per_stage", "chunks", "scale", "backend",
-    "store_name",
+_OP = AttentionOp(
+    "fpdt",
+    "str group_name, int cp_size, int head_dim, int heads_per_stage, int chunks, float scale, "
+    "str backend, str store_name",
+    fpdt_forward,
+    fpdt_backward,
 )
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, wq, wk, wv, rope, doc_ids, *constants = inputs
-    out, lse = output
-    ctx.save_for_backward(x, wq, wk, wv, rope, doc_ids, out, lse)
-    ctx.constants = constants
-    ctx.set_materialize_grads(False)  # no zero-filled gradient for the LSE output
-
-
-def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
-    x, wq, wk, wv, rope, doc_ids, out, lse = ctx.saved_tensors
-    grad_x, grad_wq, grad_wk, grad_wv = call(
-        _BACKWARD, grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, *ctx.constants
-    )
-    return (grad_x, grad_wq, grad_wk, grad_wv) + (None,) * (2 + len(_CONSTANTS))
-
-
-_fpdt_fwd.register_autograd(_backward, setup_context=_setup_context)
-_FORWARD = OpSpec(_fpdt_fwd, fpdt_forward, _setup_context, _backward)
-_BACKWARD = OpSpec(_fpdt_bwd, fpdt_backward)
-
-
 def fpdt_attention(
-    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, rope: Tensor, *,
+    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rope: Tensor, *,
     doc_ids: Tensor | None = None, group_name: str, cp_size: int, head_dim: int,
     heads_per_stage: int, chunks: int, store_name: str, scale: float | None = None,
     backend: str = "auto",
 ) -> Tensor:
-    """Differentiable FPDT attention (pre-``wo`` output) of a chunk-strided shard; see the module
-    docstring. ``store_name`` names the host store (``memory.host_store.named_host_store``) for parked chunks."""
-    out, _ = call(
-        _FORWARD, x, wq, wk, wv, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage,
+    """Differentiable FPDT attention including the output projection ``wo`` of a chunk-strided
+    shard; see the module docstring. ``store_name`` names the host store
+    (``memory.host_store.named_host_store``) for parked chunks."""
+    return _OP(
+        x, wq, wk, wv, wo, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage,
         chunks, head_dim**-0.5 if scale is None else scale, backend, store_name,
     )
-    return out

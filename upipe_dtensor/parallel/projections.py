@@ -117,6 +117,20 @@ class AttentionProjections:
         else:
             buffer.index_copy_(2, _head_index(stage.query_heads, buffer.device), values)
 
+    def stage_columns(self, wo: Tensor, stage: Stage) -> Tensor:
+        """The stage's query-head columns of the output projection ``wo`` (D, U*d)."""
+        heads = wo.view(wo.shape[0], -1, self.head_dim)
+        first = stage.first_head_if_contiguous
+        if first is not None:
+            return heads[:, first : first + len(stage.query_heads)].reshape(wo.shape[0], -1)
+        return heads.index_select(1, _head_index(stage.query_heads, wo.device)).reshape(wo.shape[0], -1)
+
+    def output_grad(self, grad_y: Tensor, wo: Tensor, stage: Stage) -> Tensor:
+        """The stage's slice of the gradient before ``wo``, in the head layout: grad_y @ wo[:,
+        stage columns], exchanged. The whole (tokens, H*d) gradient never exists."""
+        grad = grad_y.reshape(-1, grad_y.shape[-1]) @ self.stage_columns(wo, stage)
+        return self.to_heads(grad.view(self.batch, self.local_len, -1, self.head_dim))
+
     def read_stage(self, buffer: Tensor, stage: Stage) -> Tensor:
         first = stage.first_head_if_contiguous
         if first is not None:

@@ -83,6 +83,7 @@ class _ContextParallelAttention(ParallelStyle):
         return n_heads
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
+        """The layer's output (after ``wo``) for this rank's shard ``x``."""
         raise NotImplementedError
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -171,7 +172,8 @@ class UPipeAttention(_ContextParallelAttention):
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
         return upipe_attention(
-            x, module.wq.weight, module.wk.weight, module.wv.weight, rope, doc_ids=doc_ids,
+            x, module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, rope,
+            doc_ids=doc_ids,
             group_name=axes.head_group, cp_size=axes.head_size,
             ring_group_name=axes.ring_group, ring_size=axes.ring_size,
             head_dim=module.head_dim,
@@ -219,7 +221,8 @@ class RingAttention(_ContextParallelAttention):
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
         return upipe_attention(
-            x, module.wq.weight, module.wk.weight, module.wv.weight, rope, doc_ids=doc_ids,
+            x, module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, rope,
+            doc_ids=doc_ids,
             group_name="", cp_size=1, ring_group_name=axes.ring_group, ring_size=axes.ring_size,
             head_dim=module.head_dim, heads_per_stage=module.n_heads, backend=self.backend,
         )
@@ -266,7 +269,8 @@ class FPDTAttention(_ContextParallelAttention):
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
         seq_len = x.shape[1] * axes.cp_size
         return fpdt_attention(
-            x, module.wq.weight, module.wk.weight, module.wv.weight, rope, doc_ids=doc_ids,
+            x, module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, rope,
+            doc_ids=doc_ids,
             group_name=axes.head_group, cp_size=axes.head_size, head_dim=module.head_dim,
             heads_per_stage=self._stage_size(module.n_heads, axes.head_size),
             chunks=chunk_count(seq_len, axes.cp_size, self.chunk_tokens),
@@ -289,7 +293,12 @@ def _check_attention_module(module: nn.Module) -> None:
             f"styles run their own attention (causal, or document-masked through "
             f"attention_masks); build the model with attn_type='sdpa'"
         )
-    for name in ("wq", "wk", "wv"):
+    for name in ("wq", "wk", "wv", "wo"):
+        if getattr(module, name).bias is not None:
+            raise ValueError(
+                f"{name} has a bias; the context-parallel styles compute Llama3's bias-free "
+                f"projections inside their attention op"
+            )
         if isinstance(getattr(module, name).weight, DTensor):
             raise ValueError(
                 f"{name}.weight is already a DTensor: apply the context-parallel style before "
@@ -328,8 +337,7 @@ def _cp_attention_forward(
         )
     elif positions.shape[0] == 1:
         positions = positions[0]
-    out = style._attend(module, axes, x, rope_table(freqs_cis, positions), attention_masks)
-    return module.wo(out)
+    return style._attend(module, axes, x, rope_table(freqs_cis, positions), attention_masks)
 
 
 def _check_document_ids(doc_ids: object, batch: int, seq_len: int) -> None:

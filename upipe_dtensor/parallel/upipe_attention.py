@@ -1,9 +1,9 @@
 """UPipe: Ulysses context-parallel attention executed a few heads at a time (optionally x ring).
 
 Input is this rank's sequence shard ``x`` (B, S/C, D) of the attention block's (normalised)
-input; output is the pre-``wo`` attention output (B, S/C, H*d) in the model's own head order, so
-``wo`` and pretrained checkpoints apply unchanged. For each stage of U query heads (U a multiple of
-the head-axis degree C_h; U = H is classic Ulysses):
+input; output is the layer's output ``out @ wo.T`` (B, S/C, D), where ``out`` is the attention
+output in the model's own head order, so pretrained checkpoints apply unchanged. For each stage of
+U query heads (U a multiple of the head-axis degree C_h; U = H is classic Ulysses):
 
     q   = rope(x @ wq[stage heads].T)                 (B, S/C, U, d)     local sequence, U heads
     q_h = all_to_all(q)                               (B, S/R, U/C_h, d) ring rank's tokens, own heads
@@ -19,19 +19,22 @@ their gradients summed back afterwards. ``doc_ids`` (None, or (B, S) document id
 sequence) restricts attention to each token's own document.
 
 Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = U/C_h):
-  forward : the output buffer N*H*d*b  +  one stage's Q, attention output and their all-to-all
-            buffers, each N*U*d*b (~4 live at once)  +  one KV block's K, V (local and exchanged,
-            N*C_h*k*d*b each, k = KV heads per rank)  +  the LSEs, H/C_h * B*S/R floats in total;
-            with a ring, also the next K/V block in flight and a float32 output accumulator of
-            one stage (N*U*d*4).
-  saved   : x, the output buffer (which ``wo`` saves anyway), the LSEs and the RoPE rows of the
-            shard (N*d*4). Q/K/V are never kept.
+  forward : the output buffer N*H*d*b and the layer output N*D*b  +  one stage's Q, attention
+            output and their all-to-all buffers, each N*U*d*b (~4 live at once)  +  one KV
+            block's K, V (local and exchanged, N*C_h*k*d*b each, k = KV heads per rank)  +  the
+            LSEs, H/C_h * B*S/R floats in total; with a ring, also the next K/V block in flight
+            and a float32 output accumulator of one stage (N*U*d*4).
+  saved   : x, the output buffer, the LSEs and the RoPE rows of the shard (N*d*4). Q/K/V are
+            never kept.
   backward: recomputes each stage's Q (and each block's K/V) from x, exchanges the stage's slices
-            of the output and its gradient, and holds one stage's worth of those plus dx, the
-            weight gradients and the block's float32 dK/dV accumulators (2 * N*C_h*k*d*4); a
-            ring adds the travelling K/V and dK/dV of one block and a float32 dQ of one stage.
-  weights : a stage whose heads are not contiguous gathers its U*d rows of wq (U*d*D elements;
-            independent of the sequence length, so negligible at long context).
+            of the output and of its gradient (formed from the layer's output gradient and the
+            stage's columns of wo, so the whole pre-wo gradient never exists), and holds one
+            stage's worth of those plus dx, the weight gradients and the block's float32 dK/dV
+            accumulators (2 * N*C_h*k*d*4); a ring adds the travelling K/V and dK/dV of one block
+            and a float32 dQ of one stage. On CUDA flash-attn adds a float32 dQ workspace of the
+            stage (``kernels.attention.cuda_backward_workspace_bytes``).
+  weights : a stage whose heads are not contiguous gathers its U*d rows of wq and columns of wo
+            (independent of the sequence length, so negligible at long context).
 Classic Ulysses (U = H) holds all of Q and the attention output in both layouts at once; UPipe
 with U = C_h holds C_h/H of that. ``benchmarks/attention_memory.py`` measures it.
 """
@@ -42,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.attention import resolve_backend
-from ..kernels.op_mode import OpSpec, call
+from .attention_op import AttentionOp
 from .projections import AttentionProjections, resolve_group
 from .ring import Ring, ring_attention_backward, ring_attention_forward
 
@@ -65,6 +68,7 @@ def upipe_forward(
     wq: Tensor,
     wk: Tensor,
     wv: Tensor,
+    wo: Tensor,
     rope: Tensor,
     doc_ids: Tensor | None,
     group_name: str,
@@ -75,8 +79,9 @@ def upipe_forward(
     heads_per_stage: int,
     scale: float,
     backend: str,
-) -> tuple[Tensor, Tensor]:
-    """The stage loop; returns (out (B, S/C, H*d), lse (stages, B, U/C_h, S/R) float32)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The stage loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
+    lse (stages, B, U/C_h, S/R) float32)."""
     layer = _Layer(
         x, wq, wk, wv, group_name, cp_size, ring_group_name, ring_size, head_dim,
         heads_per_stage, backend,
@@ -103,15 +108,17 @@ def upipe_forward(
             k_h = v_h = None
         layer.write_stage(out, stage, layer.to_sequence(o_h))
         del o_h
-    return out.view(layer.batch, layer.local_len, -1), lse
+    out = out.view(layer.batch, layer.local_len, -1)
+    return out @ wo.t(), out, lse
 
 
 def upipe_backward(
-    grad_out: Tensor,
+    grad_y: Tensor,
     x: Tensor,
     wq: Tensor,
     wk: Tensor,
     wv: Tensor,
+    wo: Tensor,
     rope: Tensor,
     doc_ids: Tensor | None,
     out: Tensor,
@@ -124,16 +131,16 @@ def upipe_backward(
     heads_per_stage: int,
     scale: float,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv, dwo)."""
     layer = _Layer(
         x, wq, wk, wv, group_name, cp_size, ring_group_name, ring_size, head_dim,
         heads_per_stage, backend,
     )
     schedule = layer.schedule
-    heads_shape = (layer.batch, layer.local_len, schedule.n_heads, head_dim)
-    out, grad_out = out.view(heads_shape), grad_out.reshape(heads_shape)
-    grad_x = torch.zeros_like(layer.x_flat)
+    grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
+    out = out.view(layer.batch, layer.local_len, schedule.n_heads, head_dim)
+    grad_x = torch.zeros_like(x)
     grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (layer.wq, layer.wk, layer.wv))
     k_h = v_h = grad_k_h = grad_v_h = None
 
@@ -144,7 +151,7 @@ def upipe_backward(
             grad_v_h = torch.zeros_like(v_h, dtype=torch.float32)
         q_h = layer.query_for_stage(stage, rope)
         o_h = layer.to_heads(layer.read_stage(out, stage))
-        grad_o_h = layer.to_heads(layer.read_stage(grad_out, stage))
+        grad_o_h = layer.output_grad(grad_y, wo, stage)
         grad_q_h, grad_k_stage, grad_v_stage = ring_attention_backward(
             grad_o_h, q_h, k_h, v_h, o_h, lse[index], scale, layer.backend, layer.ring, doc_ids
         )
@@ -161,108 +168,16 @@ def upipe_backward(
             layer.kv_backward(grad_k_h, grad_v_h, stage.kv_block, rope, grad_x, grad_wk, grad_wv)
             k_h = v_h = grad_k_h = grad_v_h = None
 
-    return (
-        grad_x.view_as(x),
-        grad_wq.view_as(wq),
-        grad_wk.view_as(wk),
-        grad_wv.view_as(wv),
-    )
+    return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv), grad_wo
 
 
-# --- registration: one opaque op pair, so torch.compile sees a single node per layer ---------
-
-
-@torch.library.custom_op("upipe::attention_fwd", mutates_args=())
-def _attention_fwd(
-    x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    rope: Tensor,
-    doc_ids: Tensor | None,
-    group_name: str,
-    cp_size: int,
-    ring_group_name: str,
-    ring_size: int,
-    head_dim: int,
-    heads_per_stage: int,
-    scale: float,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    return upipe_forward(
-        x, wq, wk, wv, rope, doc_ids, group_name, cp_size, ring_group_name, ring_size, head_dim,
-        heads_per_stage, scale, backend,
-    )
-
-
-@_attention_fwd.register_fake
-def _(x, wq, wk, wv, rope, doc_ids, group_name, cp_size, ring_group_name, ring_size, head_dim,
-      heads_per_stage, scale, backend):
-    batch, local_len, _ = x.shape
-    n_stages = wq.shape[0] // head_dim // heads_per_stage
-    out = x.new_empty(batch, local_len, wq.shape[0])
-    lse = x.new_empty(
-        n_stages, batch, heads_per_stage // cp_size, local_len * cp_size, dtype=torch.float32
-    )
-    return out, lse
-
-
-@torch.library.custom_op("upipe::attention_bwd", mutates_args=())
-def _attention_bwd(
-    grad_out: Tensor,
-    x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    rope: Tensor,
-    doc_ids: Tensor | None,
-    out: Tensor,
-    lse: Tensor,
-    group_name: str,
-    cp_size: int,
-    ring_group_name: str,
-    ring_size: int,
-    head_dim: int,
-    heads_per_stage: int,
-    scale: float,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return upipe_backward(
-        grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, group_name, cp_size,
-        ring_group_name, ring_size, head_dim, heads_per_stage, scale, backend,
-    )
-
-
-@_attention_bwd.register_fake
-def _(grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, *args):
-    return torch.empty_like(x), torch.empty_like(wq), torch.empty_like(wk), torch.empty_like(wv)
-
-
-_CONSTANTS = (
-    "group_name", "cp_size", "ring_group_name", "ring_size", "head_dim", "heads_per_stage",
-    "scale", "backend",
+_OP = AttentionOp(
+    "attention",
+    "str group_name, int cp_size, str ring_group_name, int ring_size, int head_dim, "
+    "int heads_per_stage, float scale, str backend",
+    upipe_forward,
+    upipe_backward,
 )
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    x, wq, wk, wv, rope, doc_ids, *constants = inputs
-    out, lse = output
-    ctx.save_for_backward(x, wq, wk, wv, rope, doc_ids, out, lse)
-    ctx.constants = constants
-    ctx.set_materialize_grads(False)  # no zero-filled gradient for the LSE output
-
-
-def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
-    x, wq, wk, wv, rope, doc_ids, out, lse = ctx.saved_tensors
-    grad_x, grad_wq, grad_wk, grad_wv = call(
-        _BACKWARD, grad_out, x, wq, wk, wv, rope, doc_ids, out, lse, *ctx.constants
-    )
-    return (grad_x, grad_wq, grad_wk, grad_wv) + (None,) * (2 + len(_CONSTANTS))
-
-
-_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-_FORWARD = OpSpec(_attention_fwd, upipe_forward, _setup_context, _backward)
-_BACKWARD = OpSpec(_attention_bwd, upipe_backward)
 
 
 def upipe_attention(
@@ -270,6 +185,7 @@ def upipe_attention(
     wq: Tensor,
     wk: Tensor,
     wv: Tensor,
+    wo: Tensor,
     rope: Tensor,
     *,
     doc_ids: Tensor | None = None,
@@ -282,15 +198,15 @@ def upipe_attention(
     scale: float | None = None,
     backend: str = "auto",
 ) -> Tensor:
-    """Differentiable UPipe attention (pre-``wo`` output); see the module docstring.
+    """Differentiable UPipe attention including the output projection ``wo``; see the module
+    docstring. Returns the layer output (B, S/C, D).
 
     ``rope`` is the real RoPE table at this shard's global positions, (S/C, d/2, 2) or
     (B, S/C, d/2, 2), from ``kernels.rope.rope_table``. ``cp_size`` is the head-axis degree C_h
     and ``group_name`` its process group; ``ring_size`` R > 1 adds a ring axis (``ring_group_name``)
     across which each stage's attention runs as ring attention.
     """
-    out, _ = call(
-        _FORWARD, x, wq, wk, wv, rope, doc_ids, group_name, cp_size, ring_group_name, ring_size,
+    return _OP(
+        x, wq, wk, wv, wo, rope, doc_ids, group_name, cp_size, ring_group_name, ring_size,
         head_dim, heads_per_stage, head_dim**-0.5 if scale is None else scale, backend,
     )
-    return out
