@@ -20,6 +20,7 @@ import torch
 from harness import run_on_ranks
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.kernels.op_mode import transparent_ops
+from upipe_dtensor.memory import tiling
 from upipe_dtensor.memory.tracker import LiveMemoryTracker
 from upipe_dtensor.planner import CUDA_CONTEXT, NCCL_BUFFERS, Budget, CudaAllowances, plan_job, tracked_step
 from upipe_dtensor.trainer import Trainer
@@ -121,6 +122,24 @@ def test_cli_json_and_sweep(tmp_path: Path) -> None:
         failing = [int(r["seq_len"]) for r in rows if r["cp_style"] == style and r["fits"] == "False"]
         assert longest[style] == max(fitting) and min(failing) > longest[style]
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_planning_visits_a_few_tiles_and_plans_the_same(tmp_path: Path, monkeypatch) -> None:
+    """On fake tensors the tiled ops run their first two tiles and their last (memory/tiling.py):
+    every plan equals the plan that runs every tile, at >= 4 tiles of MLP, RMSNorm, RoPE and loss."""
+    config = parse_args([
+        "--config", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
+        "--training.seq_len", str(5 * 16384), "--training.local_batch_size", "1",
+        "--parallelism.context_parallel_degree", "1", "--activation_checkpoint.mode", "full",
+        "--activation_checkpoint.cpu_offload", "true", "--memory.tiled_mlp", "true",
+        "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true",
+    ])
+    shortcut = plan_job(config)
+    monkeypatch.setattr(tiling, "_every_tile_when_planning", True)
+    every_tile = plan_job(config)
+    assert shortcut.device_peak_bytes == every_tile.device_peak_bytes
+    assert shortcut.device_breakdown == every_tile.device_breakdown
+    assert shortcut.host_peak_bytes == every_tile.host_peak_bytes
 
 
 def test_llama3_8b_5m_recipe_fits_8_x_80_gib() -> None:

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
+from ..memory.tiling import tile_starts
+
 TILE_TOKENS = 16384
 """Tokens rotated (or given angles) at a time: the float32/float64 temporaries of one tile, not of
 the whole shard (at 655K tokens per GPU a stage's float32 copies would be several GiB)."""
@@ -59,7 +61,7 @@ def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
     table = torch.empty(
         *positions.shape, freqs_cis.shape[0], 2, dtype=torch.float32, device=positions.device
     )
-    for start in range(0, positions.shape[-1], TILE_TOKENS):
+    for start in tile_starts(table, positions.shape[-1], TILE_TOKENS):
         tile = slice(start, start + TILE_TOKENS)
         angles = positions[..., tile, None].to(torch.float64) * freqs_cis
         table[..., tile, :, 0] = angles.cos()
@@ -72,7 +74,7 @@ def _rotate(x: Tensor, table: Tensor, sign: float) -> Tensor:
     if table.dim() == 3:
         table = table.unsqueeze(0)
     out = torch.empty_like(x)
-    for start in range(0, x.shape[1], TILE_TOKENS):
+    for start in tile_starts(out, x.shape[1], TILE_TOKENS):
         rows = table[:, start : start + TILE_TOKENS]
         cos, sin = rows[..., 0].unsqueeze(2), rows[..., 1].unsqueeze(2) * sign
         pairs = x[:, start : start + TILE_TOKENS].float().unflatten(-1, (-1, 2))

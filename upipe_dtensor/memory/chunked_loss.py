@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.op_mode import OpSpec, call
+from .tiling import tile_starts
 
 
 def _loss_and_grads(
@@ -49,7 +50,7 @@ def _loss_and_grads(
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     grad_h = torch.empty_like(h_flat)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    for start in range(0, h_flat.shape[0], chunk_tokens):
+    for start in tile_starts(h_flat, h_flat.shape[0], chunk_tokens):
         h_c = h_flat[start : start + chunk_tokens]
         label = labels_flat[start : start + chunk_tokens]
         keep = label != ignore_index

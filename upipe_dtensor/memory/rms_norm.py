@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels.op_mode import OpSpec, call
+from .tiling import tile_starts
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> tuple[Tensor, Tensor]:
@@ -27,7 +28,7 @@ def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) ->
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty_like(flat)
     rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
-    for start in range(0, flat.shape[0], tile_tokens):
+    for start in tile_starts(flat, flat.shape[0], tile_tokens):
         tile = flat[start : start + tile_tokens].float()
         torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps, out=rstd[start : start + tile_tokens])
         out[start : start + tile_tokens] = tile * rstd[start : start + tile_tokens] * weight.float()
@@ -42,7 +43,7 @@ def rms_norm_backward(
     grad_flat = grad_out.reshape(-1, x.shape[-1])
     grad_x = torch.empty_like(flat)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    for start in range(0, flat.shape[0], tile_tokens):
+    for start in tile_starts(flat, flat.shape[0], tile_tokens):
         tile = flat[start : start + tile_tokens].float()
         r = rstd[start : start + tile_tokens]
         grad = grad_flat[start : start + tile_tokens]

@@ -28,10 +28,7 @@ from torch import Tensor, nn
 from torchtitan.models.llama3.model.model import FeedForward
 
 from ..kernels.op_mode import OpSpec, call
-
-
-def _tiles(n_tokens: int, tile_tokens: int) -> range:
-    return range(0, n_tokens, tile_tokens)
+from .tiling import tile_starts
 
 
 def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -47,7 +44,7 @@ def tiled_swiglu_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tok
     """The forward tile loop; each output tile is written straight into one buffer."""
     x_flat = x.reshape(-1, x.shape[-1])
     out = x.new_empty(x_flat.shape[0], w2.shape[0])
-    for start in _tiles(x_flat.shape[0], tile_tokens):
+    for start in tile_starts(x_flat, x_flat.shape[0], tile_tokens):
         x_t = x_flat[start : start + tile_tokens]
         h = F.silu(x_t @ w1.t())
         h.mul_(x_t @ w3.t())
@@ -64,7 +61,7 @@ def tiled_swiglu_backward(
     grad_flat = grad_out.reshape(-1, w2.shape[0])
     grad_x = torch.empty_like(x_flat)
     grad_w1, grad_w2, grad_w3 = (torch.zeros_like(w, dtype=torch.float32) for w in (w1, w2, w3))
-    for start in _tiles(x_flat.shape[0], tile_tokens):
+    for start in tile_starts(x_flat, x_flat.shape[0], tile_tokens):
         x_t = x_flat[start : start + tile_tokens]
         g_t = grad_flat[start : start + tile_tokens]
         a = x_t @ w1.t()
