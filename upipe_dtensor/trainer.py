@@ -204,22 +204,6 @@ class Trainer:
             print(f"wrote the Hugging Face model to {folder}", flush=True)
         return folder
 
-    def export_hf(self, step: int) -> str:
-        """Write the model as a Hugging Face folder, {checkpoint folder}/step-N-hf; returns it."""
-        config = self.config
-        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder, f"step-{step}-hf")
-        save_hf_weights(
-            self.model,
-            self.model.model_args,
-            folder,
-            dtype=DTYPES[config.checkpoint.export_dtype],
-            base_folder=config.model.hf_assets_path,
-            tokenizer_folder=config.model.tokenizer_folder,
-        )
-        if dist.get_rank() == 0:
-            print(f"wrote the Hugging Face model to {folder}", flush=True)
-        return folder
-
     def describe(self, weights: str) -> str:
         """The start-up line: the job as it will actually run (the config's free-text description
         comes last, quoted, since it may not match the command-line overrides)."""
