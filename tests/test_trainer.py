@@ -84,8 +84,10 @@ FPDT = ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "16
 @pytest.mark.parametrize(
     "extra",
     [[], ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"], ["--compile.enable", "true"],
-     RING + MEMORY_STACK, FPDT + MEMORY_STACK + ["--compile.enable", "true"]],
-    ids=["upipe", "ulysses", "upipe-compiled", "ring-memory-stack", "fpdt-memory-stack-compiled"],
+     RING + MEMORY_STACK, FPDT + MEMORY_STACK + ["--compile.enable", "true"],
+     ["--parallelism.fpdt_chunk_tokens", "16"] + MEMORY_STACK],
+    ids=["upipe", "ulysses", "upipe-compiled", "ring-memory-stack", "fpdt-memory-stack-compiled",
+         "upipe-x-fpdt-memory-stack"],
 )
 def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]) -> None:
     _assert_close(_losses(tmp_path, "cp2", 2, extra), reference)

@@ -126,15 +126,27 @@ class Parallelism:
     ring attention (K/V passed around the CP group) or FPDT (Ulysses over sequence chunks, earlier
     chunks' K/V in host memory)."""
     heads_per_stage: int = 0
-    """U, query heads per stage across the head axis. upipe: 0 means U = C / ring_degree; fpdt:
-    0 means all heads (FPDT as published), a multiple of C is UPipe x FPDT."""
+    """UPipe's U, query heads per stage across the head axis; 0 means U = C / ring_degree."""
     ring_degree: int = 1
     """R > 1: 2D context parallelism for upipe/ulysses, a ring of R ranks (across nodes) times a
     head axis of C / R ranks (inside a node); R divides context_parallel_degree."""
-    fpdt_chunk_tokens: int = 65536
-    """fpdt: tokens per sequence chunk after the all-to-all (the chunk attention works on)."""
+    fpdt_chunk_tokens: int = 0
+    """Tokens per sequence chunk after the all-to-all, earlier chunks' K/V waiting in host memory.
+    fpdt: 0 means 65536, the FPDT paper's setting. upipe: 0 runs each head stage over the whole
+    sequence; a value > 0 is UPipe x FPDT, heads and sequence both chunked (the longest contexts)."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The sequence chunk the style runs (0: none): fpdt_chunk_tokens as fpdt or upipe use it."""
+        if self.cp_style == "fpdt":
+            return self.fpdt_chunk_tokens or FPDT_PAPER_CHUNK_TOKENS
+        return self.fpdt_chunk_tokens if self.cp_style == "upipe" else 0
+
+
+FPDT_PAPER_CHUNK_TOKENS = 65536
+"""The FPDT paper's chunk for Llama3-8B on 8 GPUs (``--ds-sequence-parallel-fpdt-chunk-size``)."""
 
 
 @dataclass
@@ -483,7 +495,7 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("training", "gradient_accumulation_steps", 1),
         ("parallelism", "context_parallel_degree", 1),
         ("parallelism", "ring_degree", 1),
-        ("parallelism", "fpdt_chunk_tokens", 1),
+        ("parallelism", "fpdt_chunk_tokens", 0),
         ("lr_scheduler", "warmup_steps", 0),
         ("checkpoint", "interval", 1),
         ("checkpoint", "keep_latest_k", 0),
@@ -537,19 +549,28 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
                                       else "has no ring axis") + ": set ring_degree = 1",
             "parallelism.ring_degree", "parallelism.cp_style",
         )
-    if parallelism.heads_per_stage and style in ("ulysses", "ring"):
-        fail(f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it",
+    if parallelism.heads_per_stage and style in ("ulysses", "ring", "fpdt"):
+        hint = (" (FPDT runs all heads per chunk, as published; for UPipe x FPDT use cp_style = "
+                "'upipe' with fpdt_chunk_tokens > 0)" if style == "fpdt" else "")
+        fail(f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it{hint}",
              "parallelism.heads_per_stage", "parallelism.cp_style")
+    if parallelism.fpdt_chunk_tokens and style in ("ulysses", "ring"):
+        fail(f"[parallelism] fpdt_chunk_tokens applies to cp_style 'fpdt' and 'upipe' (UPipe x "
+             f"FPDT), not {style!r}; remove it", "parallelism.fpdt_chunk_tokens", "parallelism.cp_style")
     if style == "ring":  # any number of heads: nothing is exchanged by head
         return
-    if style == "fpdt":
+    if parallelism.chunk_tokens:
+        if ring > 1:
+            fail("[parallelism] fpdt_chunk_tokens (sequence chunks) and ring_degree > 1 cannot be "
+                 "combined: chunk the sequence on one node, or use a ring across nodes",
+                 "parallelism.fpdt_chunk_tokens", "parallelism.ring_degree")
         try:
-            chunk_count(config.training.seq_len, cp, parallelism.fpdt_chunk_tokens)
+            chunk_count(config.training.seq_len, cp, parallelism.chunk_tokens)
         except ValueError as err:
-            fail(f"[parallelism] fpdt_chunk_tokens = {parallelism.fpdt_chunk_tokens}: {err}",
+            fail(f"[parallelism] fpdt_chunk_tokens = {parallelism.chunk_tokens}: {err}",
                  "parallelism.fpdt_chunk_tokens", "training.seq_len", "parallelism.context_parallel_degree")
     heads = cp // ring
-    if style == "ulysses" or (style == "fpdt" and not parallelism.heads_per_stage):
+    if style in ("ulysses", "fpdt"):
         heads_per_stage = args.n_heads
     else:
         heads_per_stage = parallelism.heads_per_stage or heads

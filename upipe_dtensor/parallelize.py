@@ -83,12 +83,29 @@ def make_cp_style(config: JobConfig, host_device: torch.device = torch.device("c
     if parallelism.cp_style == "ring":
         return RingAttention()
     if parallelism.cp_style == "fpdt":
+        return FPDTAttention(chunk_tokens=parallelism.chunk_tokens, host_device=host_device)
+    if parallelism.chunk_tokens:  # UPipe x FPDT: head stages over sequence chunks
         return FPDTAttention(
-            chunk_tokens=parallelism.fpdt_chunk_tokens,
-            heads_per_stage=parallelism.heads_per_stage or None,
+            chunk_tokens=parallelism.chunk_tokens,
+            heads_per_stage=parallelism.heads_per_stage or parallelism.context_parallel_degree,
             host_device=host_device,
         )
     return UPipeAttention(heads_per_stage=parallelism.heads_per_stage or None)
+
+
+def describe_cp_style(parallelism) -> str:
+    """The configured attention in words, for start-up lines and plans."""
+    cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
+    style = parallelism.cp_style
+    if style == "upipe":
+        text = f"UPipe (U = {parallelism.heads_per_stage or cp // ring})"
+    else:
+        text = {"ulysses": "Ulysses", "ring": "ring attention", "fpdt": "FPDT"}[style]
+    if parallelism.chunk_tokens:
+        text += f" {'x FPDT ' if style == 'upipe' else ''}in sequence chunks of {parallelism.chunk_tokens:,} tokens"
+    if ring > 1:
+        text += f" on a ring of {ring} x {cp // ring} head ranks"
+    return text
 
 
 def apply_context_parallel(

@@ -24,14 +24,15 @@ from .planner import GiB, Budget, Plan, plan_job
 
 
 def _with(config: JobConfig, *, seq_len: int, cp_style: str) -> JobConfig:
-    """The recipe with another style and length: the recipe's own U and ring axis stay only for
-    the style it names; another style runs in its published form (Ulysses and FPDT with all heads
-    per stage; ring and FPDT without a ring axis)."""
+    """The recipe with another style and length: the recipe's own U, sequence chunks and ring
+    axis stay only for the style it names; another style runs in its published form (Ulysses and
+    FPDT with all heads per stage, FPDT with the paper's chunk; ring and FPDT without a ring axis)."""
     same = cp_style == config.parallelism.cp_style
     parallelism = dataclasses.replace(
         config.parallelism,
         cp_style=cp_style,
         heads_per_stage=config.parallelism.heads_per_stage if same else 0,
+        fpdt_chunk_tokens=config.parallelism.fpdt_chunk_tokens if same else 0,
         ring_degree=config.parallelism.ring_degree if cp_style in ("upipe", "ulysses") else 1,
     )
     training = dataclasses.replace(config.training, seq_len=seq_len)

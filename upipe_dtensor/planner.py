@@ -30,7 +30,7 @@ from .config import JobConfig, check_job
 from .kernels.attention import planning_cuda_workspaces
 from .kernels.op_mode import transparent_ops
 from .memory.tracker import MODEL_STATES, LiveMemoryTracker
-from .parallelize import build_meshes
+from .parallelize import build_meshes, describe_cp_style
 from .trainer import Trainer
 
 GiB = 2**30
@@ -106,6 +106,8 @@ class Plan:
     seq_len: int
     cp_style: str
     heads_per_stage: int
+    attention: str
+    """The CP attention in words (style, U, FPDT chunks, ring axis)."""
     world_size: int
     device_peak_bytes: int
     device_peak_when: str
@@ -130,8 +132,8 @@ class Plan:
     def render(self) -> str:
         budget = self.budget
         lines = [
-            f"plan for {self.config_file}: seq_len {self.seq_len:,}, {self.cp_style} "
-            f"(U = {self.heads_per_stage}), {self.world_size} ranks",
+            f"plan for {self.config_file}: seq_len {self.seq_len:,}, {self.attention}, "
+            f"{self.world_size} ranks",
             f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
             f"{budget.device_bytes / GiB:.0f} GiB, at {self.device_peak_when}",
         ]
@@ -294,6 +296,7 @@ def plan_job(
         seq_len=config.training.seq_len,
         cp_style=parallelism.cp_style,
         heads_per_stage=_heads_per_stage(parallelism, trainer.model.model_args.n_heads),
+        attention=describe_cp_style(parallelism),
         world_size=world_size,
         device_peak_bytes=device_peak,
         device_peak_when=peak.when,

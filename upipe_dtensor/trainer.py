@@ -29,7 +29,7 @@ from .job_lock import JobLock
 from .metrics import MetricsLogger
 from .models import flops_per_token
 from .models.llama3 import IGNORE_INDEX
-from .parallelize import DTYPES, ParallelMeshes
+from .parallelize import DTYPES, ParallelMeshes, describe_cp_style
 from .shutdown import StopRequests, watch_launcher
 from .storage import check_writable, snapshot_bytes_estimate, space_report
 from .weights import save_hf_weights
@@ -207,12 +207,8 @@ class Trainer:
     def describe(self, weights: str) -> str:
         """The start-up line: the job as it will actually run (the config's free-text description
         comes last, quoted, since it may not match the command-line overrides)."""
-        config, parallelism = self.config, self.config.parallelism
-        heads_axis = self.cp // parallelism.ring_degree
-        style = (f"UPipe (U = {parallelism.heads_per_stage or heads_axis})"
-                 if parallelism.cp_style == "upipe" else parallelism.cp_style)
-        if parallelism.ring_degree > 1:
-            style += f" on a ring of {parallelism.ring_degree} x {heads_axis} head ranks"
+        config = self.config
+        style = describe_cp_style(config.parallelism)
         ranks = f"{self.world_size} rank{'s' * (self.world_size != 1)}"
         return (
             f"training {config.model.flavor}, seq_len {config.training.seq_len:,}, {style}, cp "
