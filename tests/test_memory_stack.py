@@ -21,6 +21,10 @@ SWITCHES = {
     "tiled_rms_norm": ["--memory.tiled_rms_norm", "true", "--memory.norm_tile_tokens", "6"],
     "chunked_loss": ["--memory.chunked_loss", "true", "--memory.loss_chunk_tokens", "7"],
     "fsdp_cpu_offload": ["--training.enable_cpu_offload", "true"],
+    # Last: in ALL these override the per-block checkpointing above (later flags win).
+    "checkpoint_pairs+host_offload": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
+                                      "--activation_checkpoint.blocks_per_checkpoint", "2",
+                                      "--activation_checkpoint.cpu_offload_prefetch", "false"],
 }
 ALL = [arg for args in SWITCHES.values() for arg in args]
 TOL = 1e-5

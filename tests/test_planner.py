@@ -41,6 +41,8 @@ JOBS = {
     # 4 chunks per rank at cp 2, 2 at cp 4: earlier K/V chunks in the host store
     "fpdt": ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "256"],
     "upipe-2d": ["--parallelism.ring_degree", "2"],  # 2 x 1 at cp 2, 2 x 2 at cp 4
+    "upipe+checkpoint_pairs": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
+                               "--activation_checkpoint.blocks_per_checkpoint", "2"],
 }
 
 

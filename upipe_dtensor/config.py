@@ -157,6 +157,10 @@ class ActivationCheckpoint:
     """Keep the checkpointed block inputs in host memory (async pinned copies, prefetched)."""
     cpu_offload_skip_last: int = 1
     """The last N blocks keep their inputs on the device: backward needs them first."""
+    blocks_per_checkpoint: int = 1
+    """Blocks checkpointed together, keeping one saved input per group: k > 1 divides the host
+    (or device) memory of saved block inputs by k, for one more forward of k - 1 blocks per group
+    in backward and k - 1 more block inputs on the device while a group recomputes."""
     cpu_offload_prefetch: bool = True
     """Copy the next block's input back while the current block recomputes. At millions of
     tokens a block takes minutes and the copy a fraction of a second, so the long recipes turn it
@@ -501,6 +505,7 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("checkpoint", "keep_latest_k", 0),
         ("metrics", "log_freq", 1),
         ("activation_checkpoint", "cpu_offload_skip_last", 0),
+        ("activation_checkpoint", "blocks_per_checkpoint", 1),
         ("memory", "mlp_tile_tokens", 0),
         ("memory", "norm_tile_tokens", 0),
         ("memory", "loss_chunk_tokens", 1),
@@ -632,6 +637,12 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "[activation_checkpoint] cpu_offload moves the inputs that full checkpointing keeps; "
             "set mode = 'full' as well",
             "activation_checkpoint.cpu_offload", "activation_checkpoint.mode",
+        )
+    if config.activation_checkpoint.blocks_per_checkpoint > 1 and config.activation_checkpoint.mode != "full":
+        fail(
+            "[activation_checkpoint] blocks_per_checkpoint groups blocks for full checkpointing; "
+            "set mode = 'full' as well",
+            "activation_checkpoint.blocks_per_checkpoint", "activation_checkpoint.mode",
         )
     _check_context_parallel(config, args, fail)
     dataset = training.dataset

@@ -177,7 +177,10 @@ def parallelize_llama(
     ac = config.activation_checkpoint
     offload = HostOffload(device, host_device, prefetch=ac.cpu_offload_prefetch) if ac.cpu_offload else None
     if ac.mode == "full":
-        apply_activation_checkpointing(model, offload=offload, offload_skip_last=ac.cpu_offload_skip_last)
+        apply_activation_checkpointing(
+            model, offload=offload, offload_skip_last=ac.cpu_offload_skip_last,
+            blocks_per_checkpoint=ac.blocks_per_checkpoint,
+        )
     if mixed_precision is None:
         mixed_precision = device.type == "cuda"
     apply_fsdp(model, meshes.fsdp, config, device, mixed_precision)

@@ -89,18 +89,54 @@ def _checkpoint_fn(module: nn.Module, *args, offload: HostOffload | None = None,
         return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
+class CheckpointGroup:
+    """Consecutive blocks checkpointed as one: only the group's input is kept (in host memory
+    with ``offload``). Recomputing the group in backward runs each block but the last through its
+    own checkpoint, so it keeps just those blocks' inputs (one more (S/C, D) tensor each on the
+    device), and the last block computes its activations for its backward right away."""
+
+    def __init__(self, names: list[str], offload: HostOffload | None) -> None:
+        self.names, self.offload = names, offload
+
+    def __call__(self, layers: nn.ModuleDict, h: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for name in self.names:
+                x = layers[name](x, *args, **kwargs)
+            return x
+
+        with self.offload.hooks() if self.offload is not None else contextlib.nullcontext():
+            return checkpoint(run, h, use_reentrant=False, preserve_rng_state=False)
+
+
 def apply_activation_checkpointing(
-    model: nn.Module, *, offload: HostOffload | None, offload_skip_last: int
+    model: nn.Module, *, offload: HostOffload | None, offload_skip_last: int,
+    blocks_per_checkpoint: int = 1,
 ) -> None:
-    """Wrap every block in full activation checkpointing; offload the inputs of all blocks but
-    the last ``offload_skip_last`` (backward needs those first, so parking them buys nothing).
+    """Full activation checkpointing; offload the saved inputs of all blocks but the last
+    ``offload_skip_last`` (backward needs those first, so parking them buys nothing).
+
+    With ``blocks_per_checkpoint`` k = 1 every block is wrapped in its own checkpoint. With k > 1
+    the blocks are checkpointed in groups of k (``CheckpointGroup``, run by the model's forward):
+    host memory for saved inputs drops k-fold, for one more forward of k - 1 blocks per group
+    in backward and k - 1 more block inputs on the device while a group recomputes. A group is
+    offloaded unless it holds one of the last ``offload_skip_last`` blocks.
 
     torch's ``checkpoint_wrapper`` keeps parameter names unchanged in state dicts, so snapshots
     load with or without checkpointing.
     """
     names = list(model.layers.keys())
-    for position, name in enumerate(names):
-        use_offload = offload if position < len(names) - offload_skip_last else None
-        model.layers[name] = checkpoint_wrapper(
-            model.layers[name], checkpoint_fn=functools.partial(_checkpoint_fn, offload=use_offload)
-        )
+    if blocks_per_checkpoint == 1:
+        for position, name in enumerate(names):
+            use_offload = offload if position < len(names) - offload_skip_last else None
+            model.layers[name] = checkpoint_wrapper(
+                model.layers[name], checkpoint_fn=functools.partial(_checkpoint_fn, offload=use_offload)
+            )
+        return
+    groups = []
+    for first in range(0, len(names), blocks_per_checkpoint):
+        group = names[first : first + blocks_per_checkpoint]
+        for name in group[:-1]:  # recomputed again inside the group's recompute
+            model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_fn=_checkpoint_fn)
+        keep_on_device = first + len(group) > len(names) - offload_skip_last
+        groups.append(CheckpointGroup(group, None if keep_on_device else offload))
+    model.checkpoint_groups = groups

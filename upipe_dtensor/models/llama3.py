@@ -102,6 +102,9 @@ class Llama3(Transformer):
     loss_chunk_tokens: int = 0
     """When > 0, ``forward(tokens, labels=...)`` fuses the output layer and cross-entropy over
     chunks of this many tokens (set by the parallelize step from ``[memory] chunked_loss``)."""
+    checkpoint_groups: list = []
+    """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order
+    by ``forward``; empty: the blocks run one by one (each may checkpoint itself)."""
 
     def forward(
         self,
@@ -111,19 +114,24 @@ class Llama3(Transformer):
         labels: torch.Tensor | None = None,
         per_token: bool = False,
     ) -> torch.Tensor:
-        """Logits, as torchtitan's; or, given ``labels``, the summed cross-entropy of the tokens
+        """Logits, as torchtitan's forward computes them; or, given ``labels``, the summed
+        cross-entropy of the tokens
         (``per_token``: each token's, as (B, S) float32 with 0 where the label is ignored).
 
         The loss path runs inside the model's forward so the output weight is the gathered one
         under FSDP2; with ``loss_chunk_tokens`` (and always with ``per_token``) it never
         materialises the (tokens, vocab) logits.
         """
-        if labels is None:
-            return super().forward(tokens, attention_masks, positions)
         h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
+        if self.checkpoint_groups:
+            for group in self.checkpoint_groups:
+                h = group(self.layers, h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
+        else:
+            for layer in self.layers.values():
+                h = layer(h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
         h = self.norm(h)
+        if labels is None:
+            return self.output(h)
         if per_token:
             return self._token_losses(h, labels)
         if self.loss_chunk_tokens:
