@@ -33,6 +33,9 @@ MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
 NORMS = "rmsnorm outputs"
 """A block's normalised activations (the attention's and the MLP's inputs), kept while the block
 that uses them runs."""
+RESIDUAL = "residual stream"
+"""A block's residual sums (x + attention, and the block output), e.g. the input of the next block
+kept while a checkpoint group recomputes."""
 GRADIENTS = "activation gradients"
 """Gradients autograd passes between ops (e.g. of a block's output and its residual stream),
 allocated by torch's C++ autograd functions rather than by this project's code."""
@@ -60,7 +63,11 @@ _RULES: tuple[tuple[str, str | None, str], ...] = (
     # matched by the rules above first).
     ("torch/autograd/graph.py", "_engine_run_backward", GRADIENTS),
 )
-_TITAN_FORWARDS = {"FeedForward.forward": MLP, "Attention.forward": ATTENTION}
+_TITAN_FORWARDS = {
+    "FeedForward.forward": MLP,
+    "Attention.forward": ATTENTION,
+    "TransformerBlock.forward": RESIDUAL,
+}
 
 
 _PASS = "pass"  # no rule decides at this frame: look at its caller
