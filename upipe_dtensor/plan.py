@@ -3,9 +3,13 @@
     python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml
     python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --sweep seq_len --styles upipe,ulysses
 
+    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --max-context > recipes/llama3_8b_max.toml
+
 Any ``--section.key value`` overrides the recipe as in train.py. ``--sweep seq_len`` finds, for
-each CP style, the longest context that fits both budgets (by doubling, then bisection) and writes
-``sweep.csv`` and ``sweep.png`` to ``--out``. See ``upipe_dtensor.planner`` for what is modelled.
+each CP style, the longest context that fits both budgets (``length_search``) and writes
+``sweep.csv`` and ``sweep.png`` to ``--out``. ``--max-context`` also searches the settings (U,
+sequence chunks, FSDP CPU offload, tile sizes, block-input prefetch; ``max_context``) and prints a
+recipe for the longest context with its plan. See ``upipe_dtensor.planner`` for what is modelled.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import argparse
 import csv
 import dataclasses
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .config import CP_STYLES, ConfigError, JobConfig, parse_args
+from .length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
+from .max_context import KNOB_NAMES, find_max_context, recipe_toml
 from .planner import GiB, Budget, Plan, plan_job
 
 
@@ -43,33 +50,18 @@ def longest_context(
     config: JobConfig, cp_style: str, budget: Budget, world_size: int | None, log, resolution: float
 ) -> tuple[int, list[Plan]]:
     """The longest seq_len (a multiple of 1024 * cp, to within ``resolution`` of itself) that
-    fits, and every plan evaluated."""
-    granule = 1024 * config.parallelism.context_parallel_degree
-    plans: list[Plan] = []
+    fits, and every plan evaluated (``length_search``: a few secant steps from the recipe's length)."""
+    granule = GRANULE_TOKENS_PER_RANK * config.parallelism.context_parallel_degree
 
-    def fits(seq_len: int) -> bool:
+    def plan_at(seq_len: int) -> Plan:
         plan = plan_job(_with(config, seq_len=seq_len, cp_style=cp_style), budget, world_size)
-        plans.append(plan)
         log(f"  {cp_style:8s} {seq_len:>12,} tokens: {plan.device_peak_bytes / GiB:7.2f} GiB "
             f"device, {plan.host_per_node_bytes / GiB:8.1f} GiB host/node -> "
             f"{'fits' if plan.fits else 'does not fit'}")
-        return plan.fits
+        return plan
 
-    start = max(granule, config.training.seq_len // granule * granule)
-    if fits(start):
-        lo, hi = start, 2 * start
-        while fits(hi):
-            lo, hi = hi, 2 * hi
-    else:
-        hi, lo = start, start // 2 // granule * granule
-        while lo >= granule and not fits(lo):
-            hi, lo = lo, lo // 2 // granule * granule
-        if lo < granule:
-            return 0, plans
-    while hi - lo > max(granule, int(lo * resolution)):
-        mid = (lo + hi) // 2 // granule * granule
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, plans
+    return longest_fitting(plan_at, budget, start=config.training.seq_len, granule=granule,
+                           resolution=resolution)
 
 
 def write_sweep(out: Path, results: dict[str, tuple[int, list[Plan]]], budget: Budget) -> None:
@@ -139,6 +131,18 @@ def _styles(text: str) -> list[str]:
     return styles
 
 
+def _knobs(text: str) -> list[str]:
+    """Comma-separated setting names, each one of ``max_context.KNOB_NAMES``."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in KNOB_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown setting {', '.join(map(repr, unknown))}; choose from {', '.join(KNOB_NAMES)} "
+            "(comma-separated, e.g. heads_per_stage,fsdp_cpu_offload)"
+        )
+    return names
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -151,12 +155,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--world-size", type=_positive(int), default=None,
                         help="ranks (default: cp degree x data_parallel_shard_degree)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--sweep", choices=["seq_len"], help="find the longest context that fits")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", choices=["seq_len"], help="find the longest context that fits, per style")
+    mode.add_argument("--max-context", action="store_true",
+                      help="search the settings for the longest context that fits; print its recipe and plan")
     parser.add_argument("--styles", type=_styles, default=None,
                         help=f"cp styles to sweep, comma-separated, from: {', '.join(CP_STYLES)} "
                              "(default: upipe,ulysses)")
-    parser.add_argument("--resolution", type=_fraction, default=0.03,
-                        help="sweep precision, as a fraction of the longest context")
+    parser.add_argument("--search", type=_knobs, default=None,
+                        help=f"--max-context: settings to search, comma-separated, from: {', '.join(KNOB_NAMES)} "
+                             "(default: every one that applies; the others stay as the recipe has them)")
+    parser.add_argument("--resolution", type=_fraction, default=None,
+                        help="precision of the longest context, as a fraction of it (default: 0.03 for "
+                             "--sweep, one step of 1024 tokens per GPU for --max-context)")
     parser.add_argument("--out", default="outputs/plan", help="folder for sweep.csv and sweep.png")
     args, overrides = parser.parse_known_args(argv)
     for arg in overrides:
@@ -164,7 +175,10 @@ def main(argv: list[str]) -> int:
             parser.error(f"unrecognized option {arg}; the planner's options are listed above, and "
                          "--section.key value overrides the job file")
     if args.styles is not None and not args.sweep:
-        parser.error("--styles applies to --sweep seq_len; for one plan set --parallelism.cp_style")
+        parser.error("--styles applies to --sweep seq_len; for one plan or --max-context set "
+                     "--parallelism.cp_style")
+    if args.search is not None and not args.max_context:
+        parser.error("--search applies to --max-context")
     styles = args.styles or ["upipe", "ulysses"]
     budget = Budget(
         device_bytes=int(args.device_memory_gib * GiB),
@@ -173,10 +187,21 @@ def main(argv: list[str]) -> int:
     )
     try:
         config = parse_args(["--config", args.config, *overrides])
+        if args.max_context:
+            world = args.world_size or (config.parallelism.context_parallel_degree
+                                        * max(config.parallelism.data_parallel_shard_degree, 1))
+            progress = (lambda _: None) if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+            result = find_max_context(config, budget, world, search=args.search,
+                                      resolution=args.resolution or 0.0, log=progress)
+            command = shlex.join(["python", "-m", "upipe_dtensor.plan", *argv])
+            print(json.dumps(result.as_dict(command), indent=2) if args.json
+                  else recipe_toml(result, command).rstrip("\n"))
+            return 0
         if args.sweep:
             log = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
+            resolution = 0.03 if args.resolution is None else args.resolution
             results = {
-                style: longest_context(config, style, budget, args.world_size, log, args.resolution)
+                style: longest_context(config, style, budget, args.world_size, log, resolution)
                 for style in styles
             }
             write_sweep(Path(args.out), results, budget)

@@ -75,6 +75,8 @@ class CudaAllowances:
 
 CUDA_CONTEXT, NCCL_BUFFERS, CUBLAS_WORKSPACE = "CUDA context", "NCCL buffers", "cuBLAS workspace"
 FRAGMENTATION = "allocator rounding and fragmentation"
+FIXED_ALLOWANCES = (CUDA_CONTEXT, NCCL_BUFFERS, CUBLAS_WORKSPACE)
+"""The allowances that do not grow with the sequence (fragmentation is a fraction of the peak)."""
 
 
 def nccl_communicators(config: JobConfig, world_size: int) -> int:
@@ -126,6 +128,13 @@ class Plan:
             and self.host_per_node_bytes <= self.budget.host_bytes_per_node
         )
 
+    @property
+    def device_fixed_bytes(self) -> int:
+        """The part of the device peak that does not grow with the sequence: model states and
+        CUDA's fixed allowances (a search that holds one plan extrapolates from the rest)."""
+        return sum(nbytes for label, nbytes in self.device_breakdown.items()
+                   if label == MODEL_STATES or label.startswith(FIXED_ALLOWANCES))
+
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "fits": self.fits}
 
@@ -135,7 +144,7 @@ class Plan:
             f"plan for {self.config_file}: seq_len {self.seq_len:,}, {self.attention}, "
             f"{self.world_size} ranks",
             f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
-            f"{budget.device_bytes / GiB:.0f} GiB, at {self.device_peak_when}",
+            f"{budget.device_bytes / GiB:g} GiB, at {self.device_peak_when}",
         ]
         for label, nbytes in sorted(self.device_breakdown.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {label:<42s} {nbytes / GiB:8.2f} GiB")
@@ -143,7 +152,7 @@ class Plan:
             f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB (activation offload,"
             f" FSDP CPU offload)",
             f"  host per node        : {self.host_per_node_bytes / GiB:8.2f} GiB of "
-            f"{budget.host_bytes_per_node / GiB:.0f} GiB ({budget.gpus_per_node} GPUs per node)",
+            f"{budget.host_bytes_per_node / GiB:g} GiB ({budget.gpus_per_node} GPUs per node)",
             *([f"  document metadata    : {self.document_metadata_bytes / 2**20:8.2f} MiB per rank "
                f"({self.document_metadata_bytes / max(self.device_peak_bytes, 1):.3%} of the peak; "
                f"ids of the whole sequence, positions of the shard)"]
