@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from upipe_dtensor.config import ConfigError, config_help, parse_args
-from upipe_dtensor.errors import JobComplete, JobError, JobStopped
+from upipe_dtensor.errors import JobComplete, JobError, JobStopped, report_outcome
 
 
 def _launcher_error(argv: list[str], config) -> ConfigError | None:
@@ -31,17 +30,6 @@ def _launcher_error(argv: list[str], config) -> ConfigError | None:
         "train.py is started by torchrun, which sets RANK and WORLD_SIZE for each process; run "
         f"torchrun --nproc_per_node {processes} train.py {' '.join(argv)}"
     )
-
-
-def _say(message: str, code: int) -> int:
-    """Rank 0 prints a job-level outcome (every rank reaches the same one) and every rank returns
-    ``code``. torchrun stops all ranks as soon as one exits non-zero, so the others wait a moment
-    first: rank 0 must not be stopped before it has printed why."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
-    elif code != 0:
-        time.sleep(1.0)
-    return code
 
 
 def main(argv: list[str]) -> int:
@@ -65,13 +53,13 @@ def main(argv: list[str]) -> int:
         trainer = Trainer(config)
         trainer.train()
     except ConfigError as err:
-        return _say(f"config error: {err}", 2)
+        return report_outcome(f"config error: {err}", 2)
     except JobComplete as done:
-        return _say(str(done), 0)
+        return report_outcome(str(done), 0)
     except JobError as err:
-        return _say(f"error: {err}", 1)
+        return report_outcome(f"error: {err}", 1)
     except JobStopped as stopped:
-        return _say(str(stopped), 128 + stopped.signum)
+        return report_outcome(str(stopped), 128 + stopped.signum)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -27,7 +27,8 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ``fn`` may have ended it itself
+            dist.destroy_process_group()
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args) -> None:

@@ -45,23 +45,29 @@ def snapshots(folder: Path) -> dict[int, Path]:
     return {int(m.group(1)): folder / m.group(0) for m in found if m}
 
 
+def snapshot_candidates(config: JobConfig, folder: Path) -> list[int]:
+    """Steps of the snapshots to try, newest first (only ``load_step`` if one is given), from
+    folder names alone; a missing ``load_step`` is a ``ConfigError``. Not collective."""
+    found = sorted(snapshots(folder), reverse=True)
+    load_step = config.checkpoint.load_step
+    if load_step == -1:
+        return found
+    if load_step not in found:
+        raise ConfigError(
+            f"{config.source_of('checkpoint.load_step')}: [checkpoint] load_step = {load_step}, "
+            f"but {folder} has no step-{load_step}; available: {sorted(found) or 'none'} "
+            "(-1 picks the latest)"
+        )
+    return [load_step]
+
+
 def resume_candidates(config: JobConfig, folder: Path) -> list[int]:
-    """Steps of the snapshots to try, newest first (only ``load_step`` if one is given).
+    """``snapshot_candidates`` for a training job, which must still have steps to train.
 
     Decided from folder names alone, before any heavy work: a finished job raises
-    ``JobComplete``; a snapshot beyond ``[training] steps`` or a missing ``load_step`` is a
-    ``ConfigError``.
+    ``JobComplete``; a snapshot beyond ``[training] steps`` is a ``ConfigError``.
     """
-    found = sorted(snapshots(folder), reverse=True)
-    load_step, steps = config.checkpoint.load_step, config.training.steps
-    if load_step != -1:
-        if load_step not in found:
-            raise ConfigError(
-                f"{config.source_of('checkpoint.load_step')}: [checkpoint] load_step = {load_step}, "
-                f"but {folder} has no step-{load_step}; available: {sorted(found) or 'none'} "
-                "(-1 picks the latest)"
-            )
-        found = [load_step]
+    found, steps = snapshot_candidates(config, folder), config.training.steps
     if found and found[0] == steps:
         raise JobComplete(
             f"job already complete: snapshot step-{steps} in {folder} reached [training] steps = "
@@ -76,17 +82,22 @@ def resume_candidates(config: JobConfig, folder: Path) -> list[int]:
     return found
 
 
-def choose_snapshot(folder: Path, candidates: list[int], *, explicit: bool, job: dict[str, Any]) -> Path | None:
+def choose_snapshot(
+    folder: Path, candidates: list[int], *, explicit: bool, job: dict[str, Any] | None
+) -> Path | None:
     """The newest candidate that passes verification (collective; before the model is built).
 
     Bad ones are reported by name; when an older good one exists they are renamed
     ``step-N.corrupt`` (kept for inspection, never loaded or pruned) and the job says loudly that
-    it falls back. ``explicit``: the user named the step, so there is no fallback.
+    it falls back. ``explicit``: the user named the step, so there is no fallback. ``job``: this
+    job's geometry, checked with ``check_geometry``; None for a reader of the model weights alone
+    (``evaluate``), which load at any geometry.
     """
     rejected: list[tuple[Path, str]] = []
     for step in candidates:
         path = folder / f"step-{step}"
-        check_geometry(path, job)
+        if job is not None:
+            check_geometry(path, job)
         problems = verify(path)
         if not problems:
             if rejected:

@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 
 class JobError(RuntimeError):
     """A failure with a known cause; the message names it, what is safe, and what to do."""
@@ -21,3 +25,14 @@ class JobStopped(Exception):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.signum = signum
+
+
+def report_outcome(message: str, code: int) -> int:
+    """Rank 0 prints a job-level outcome (every rank reaches the same one) and every rank returns
+    ``code``. torchrun stops all ranks as soon as one exits non-zero, so the others wait a moment
+    first: rank 0 must not be stopped before it has printed why."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    elif code != 0:
+        time.sleep(1.0)
+    return code

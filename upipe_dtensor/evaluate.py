@@ -6,8 +6,11 @@
 
 TOKENS.npy is an integer array (N, S) of token ids; S becomes [training] seq_len (it must be
 divisible by the CP degree). The model is built, parallelised and loaded exactly as train.py does
-(``build.build_parallel_model``), from the job's latest snapshot, else [checkpoint]
-initial_load_path. [training] attention_mask / position_ids are honoured. Rows are split over the
+(``build.build_parallel_model``), from the job's snapshot, else [checkpoint] initial_load_path.
+The snapshot is chosen as the trainer chooses the one to resume from (``checkpoint``): the newest
+(or [checkpoint] load_step's) that matches its manifest; a damaged newest one is set aside with a
+warning and an older good one is used; with none good, evaluate stops with the trainer's error
+(exit 1). Configuration errors exit 2, before any process group. [training] attention_mask / position_ids are honoured. Rows are split over the
 data-parallel ranks and each sequence over the CP ranks; per-token losses are put back in sequence
 order with the CP style's ``shard_positions``.
 
@@ -25,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -33,13 +35,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .build import ParallelModel, build_parallel_model, load_initial_weights
+from .build import ParallelModel, build_parallel_model, load_initial_weights, set_up_job
+from .checkpoint import choose_snapshot, snapshot_candidates
 from .config import ConfigError, JobConfig, parse_args
+from .errors import JobError, report_outcome
 from .models.hf_config import model_args
 from .models.llama3 import IGNORE_INDEX
 from .weights import initial_load_folder, load_dcp_weights
-
-_SNAPSHOT = re.compile(r"^step-(\d+)$")
 
 
 def read_tokens(path: str) -> torch.Tensor:
@@ -69,24 +71,8 @@ def position_buckets(seq_len: int) -> list[tuple[int, int]]:
     return buckets
 
 
-def _latest_snapshot(config: JobConfig) -> Path | None:
-    """The job's snapshot to evaluate: [checkpoint] load_step's, else the newest complete one."""
-    folder = Path(config.job.dump_folder) / config.checkpoint.folder
-    found = {}
-    if folder.is_dir():
-        matches = (_SNAPSHOT.match(p.name) for p in folder.iterdir() if p.is_dir())
-        found = {int(m.group(1)): folder / m.group(0) for m in matches if m}
-    step = config.checkpoint.load_step
-    if step != -1 and step not in found:
-        raise ConfigError(f"[checkpoint] load_step = {step}: no step-{step} in {folder}; found {sorted(found)}")
-    if not found:
-        return None
-    return found[step if step != -1 else max(found)]
-
-
-def load_eval_weights(built: ParallelModel) -> str:
-    """The job's latest snapshot (model part), else its initial weights; a description."""
-    snapshot = _latest_snapshot(built.config)
+def load_eval_weights(built: ParallelModel, snapshot: Path | None) -> str:
+    """The model part of ``snapshot``, else the job's initial weights; a description."""
     if snapshot is not None:
         load_dcp_weights(built.model, str(snapshot))
         return f"snapshot {snapshot}"
@@ -195,19 +181,20 @@ def main(argv: list[str]) -> int:
                 f"--tokens {args.tokens}: token ids span [{tokens.min()}, {tokens.max()}], outside "
                 f"the model's vocabulary [0, {vocab})"
             )
-        if _latest_snapshot(config) is None and not initial_load_folder(config):
+        folder = Path(config.job.dump_folder) / config.checkpoint.folder
+        candidates = snapshot_candidates(config, folder)  # folder names only: no process group yet
+        if not candidates and not initial_load_folder(config):
             raise ConfigError(
-                f"{config.config_file}: no weights to evaluate: no snapshot in "
-                f"{Path(config.job.dump_folder) / config.checkpoint.folder} and no [checkpoint] "
-                "initial_load_path; train first, or set initial_load_path (with initial_load_in_hf "
-                "for a Hugging Face folder)"
+                f"{config.config_file}: no weights to evaluate: no snapshot in {folder} and no "
+                "[checkpoint] initial_load_path; train first, or set initial_load_path (with "
+                "initial_load_in_hf for a Hugging Face folder)"
             )
-        built = build_parallel_model(config)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    try:
-        source = load_eval_weights(built)
+        setup = set_up_job(config)
+        snapshot = choose_snapshot(
+            folder, candidates, explicit=config.checkpoint.load_step != -1, job=None
+        ) if candidates else None
+        built = build_parallel_model(config, setup=setup)
+        source = load_eval_weights(built, snapshot)
         rows, seq_len = tokens.shape
         sums = position_loss_sums(built, tokens)
         result = summarise(sums, rows)
@@ -219,8 +206,13 @@ def main(argv: list[str]) -> int:
             )
             print(f"evaluated {source} on {rows} x {seq_len} tokens; wrote {picture}", flush=True)
             print(json.dumps(result), flush=True)
+    except ConfigError as err:
+        return report_outcome(f"config error: {err}", 2)
+    except JobError as err:
+        return report_outcome(f"error: {err}", 1)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
