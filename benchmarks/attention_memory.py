@@ -1,15 +1,24 @@
-"""Peak memory inside one attention layer: UPipe (U = C, 2C) versus Ulysses (U = H), CPU + gloo.
+"""Peak memory of one attention layer under every CP style, CPU + gloo.
 
 UPipe's claim is that running Ulysses a few heads at a time shrinks the query-side intermediates
 (Q, the attention output and their all-to-all buffers) to about U/H of Ulysses' (see "Memory
-bound" in ``upipe_dtensor/parallel/upipe_attention.py``). The stage loop runs inside the custom op
-``upipe::attention_fwd`` / ``attention_bwd``, so a dispatch mode would see only the op's outputs.
-This script instead reads the profiler's allocator events (``profile_memory=True``), which record
-CPU allocations and frees including the transient buffers inside the op, puts back the frees made
-on gloo's worker thread (which the profiler misses; see ``live_memory.allocations``), and replays
-them in time order to get the peak of live bytes above the level at the start of each region.
+bound" in ``upipe_dtensor/parallel/upipe_attention.py``). The measured unit is the whole layer as
+the model calls it: RoPE at the shard's positions, the attention op (projections, the stage loop,
+the pre-``wo`` output buffer and ``wo``, which the op applies itself), and in backward every
+gradient (dx, dwq, dwk, dwv, dwo). Rows: UPipe at U = C and 2C, Ulysses (U = H), ring attention,
+FPDT (all heads, S cut into chunks) and UPipe x FPDT (U = C stages of chunks).
 
-Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=64, S=8192).
+The stage loops run inside custom ops (``upipe::attention_*``, ``upipe::fpdt_*``), so a dispatch
+mode would see only the ops' outputs. This script instead reads the profiler's allocator events
+(``profile_memory=True``), which record CPU allocations and frees including the transient buffers
+inside an op, puts back the frees made on gloo's worker thread (which the profiler misses; see
+``live_memory.allocations``), and replays them in time order to get the peak of live bytes above
+the level at the start of each region. FPDT's host buffers (chunks parked by
+``memory.host_store``) are the same CPU memory here; they are kept out of the device numbers (by
+the frame that allocates them) and reported as what the store's pool grew by.
+
+Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=64, S=8192;
+about 4 minutes on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -28,20 +37,39 @@ from torch.profiler import record_function
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
-from live_memory import (MiB, Allocation, allocations, check_tracker, on_gloo_ranks, profiler,
-                         region, region_memory)
-from upipe_dtensor.parallel.style import UPipeAttention
+from live_memory import (MiB, Allocation, RegionMemory, allocations, check_tracker, on_gloo_ranks,
+                         profiler, region, region_memory, split_events)
+from upipe_dtensor.parallel.style import FPDTAttention, RingAttention, UPipeAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FORWARD, BACKWARD = "bench::forward", "bench::backward"
+FORWARD, BACKWARD, LAYER = "bench::forward", "bench::backward", "bench::layer"
+HOST_BUFFER = "_host_buffer"
+"""Label of the allocations ``memory.host_store`` makes for parked tensors: host memory, counted
+by the store itself (``host_bytes``) and kept out of the device numbers."""
 
 
 # --- the benchmark ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One row: a CP style and its stage size U (``None``: the style's own) and FPDT chunks
+    (0: whole-sequence stages)."""
+
+    name: str
+    style: str
+    heads_per_stage: int | None = None
+    chunks: int = 0
+
+    @property
+    def op(self) -> str:
+        """The custom op whose forward/backward this style's attention runs in."""
+        return "upipe::fpdt" if self.chunks else "upipe::attention"
+
+
+@dataclass(frozen=True)
 class Config:
-    """The shapes and the stage sizes U to compare (Ulysses, U = n_heads, always among them)."""
+    """The shapes and the rows to compare (Ulysses, U = n_heads, always among them)."""
 
     cp: int
     seq_len: int
@@ -50,18 +78,18 @@ class Config:
     n_kv_heads: int
     head_dim: int
     dtype: str
-    stage_sizes: tuple[int, ...]
+    variants: tuple[Variant, ...]
 
 
 @dataclass
 class Phase:
-    """Forward or backward of one U, in bytes, each the max over ranks.
+    """Forward or backward of one row, device bytes, each the max over ranks.
 
-    ``layer_*``: the whole module call (projections, the UPipe op, ``wo``, autograd's grads).
-    ``op_*``: inside the ``upipe::attention_*`` op only, where the stage loop runs; ``op_returned``
-    is what the op hands back (forward: out buffer + LSEs; backward: dx, dwq, dwk, dwv), so
-    ``op_peak - op_returned`` is the loop's working memory. ``*_live_at_peak``: bytes allocated
-    in the region and live at its peak, by origin, on the rank with the largest peak.
+    ``layer_*``: the whole module call (RoPE, the attention op with ``wo``, autograd's grads).
+    ``op_*``: inside the attention op only, where the stage loop runs; ``op_returned`` is what the
+    op hands back (forward: y, the saved pre-``wo`` output, LSEs; backward: dx, dwq, dwk, dwv,
+    dwo). ``layer_live_at_peak``: bytes allocated in the region and live at its peak, by origin,
+    on the rank with the largest peak.
     """
 
     layer_peak: int
@@ -69,20 +97,25 @@ class Phase:
     op_peak: int
     op_returned: int
     layer_live_at_peak: dict[str, int]
-    op_live_at_peak: dict[str, int]
 
     @property
-    def op_transient(self) -> int:
-        return self.op_peak - self.op_returned
+    def working(self) -> int:
+        """The layer's peak beyond what the op returns (backward: beyond the gradients)."""
+        return self.layer_peak - self.op_returned
 
 
 @dataclass
 class Row:
-    """One U; ``frees_put_back``: unrecorded frees that ``allocations`` inferred (max over ranks)."""
+    """One variant. ``peak``: the layer's device peak over forward and backward together, above
+    the level before forward; ``host_peak``: what the style's host memory pool (FPDT's parked
+    chunks) grew by in the layer; ``frees_put_back``: unrecorded frees that ``allocations``
+    inferred (max over ranks)."""
 
-    heads_per_stage: int
+    variant: Variant
+    peak: int
     forward: Phase
     backward: Phase
+    host_peak: int
     frees_put_back: int
 
 
@@ -97,27 +130,40 @@ def build_attention(cfg: Config) -> Attention:
     return attention.to(DTYPES[cfg.dtype])
 
 
+def _max_over_ranks(mine: RegionMemory) -> RegionMemory:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return max(gathered, key=lambda m: m.peak_bytes)
+
+
 def _phase(events: list[Allocation], layer: tuple[int, int], op: tuple[int, int]) -> Phase:
-    """This phase's numbers, each the max over ranks; breakdowns from the rank with that max."""
+    """This phase's numbers, each the max over ranks; the breakdown from the rank with that max."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (region_memory(events, *layer), region_memory(events, *op)))
     whole = max((w for w, _ in gathered), key=lambda m: m.peak_bytes)
-    inner = max((i for _, i in gathered), key=lambda m: m.peak_bytes)
     return Phase(
         layer_peak=whole.peak_bytes,
         layer_kept=max(w.end_bytes for w, _ in gathered),
-        op_peak=inner.peak_bytes,
+        op_peak=max(i.peak_bytes for _, i in gathered),
         op_returned=max(i.end_bytes for _, i in gathered),
         layer_live_at_peak=whole.live_at_peak,
-        op_live_at_peak=inner.live_at_peak,
     )
 
 
-def measure(cfg: Config, heads_per_stage: int, mesh: DeviceMesh, freqs_cis: torch.Tensor) -> Row:
-    """Profile one forward and one backward of a fresh layer at this U."""
+def make_style(cfg: Config, variant: Variant):
+    if variant.style == "ring":
+        return RingAttention()
+    if variant.chunks:
+        return FPDTAttention(chunk_tokens=cfg.seq_len // variant.chunks,
+                             heads_per_stage=variant.heads_per_stage)
+    return UPipeAttention(heads_per_stage=variant.heads_per_stage)
+
+
+def measure(cfg: Config, variant: Variant, mesh: DeviceMesh, freqs_cis: torch.Tensor) -> Row:
+    """Profile one forward and one backward of a fresh layer in this variant."""
     dtype, dim = DTYPES[cfg.dtype], cfg.n_heads * cfg.head_dim
-    attention = parallelize_module(build_attention(cfg), mesh,
-                                   UPipeAttention(heads_per_stage=heads_per_stage))
+    style = make_style(cfg, variant)
+    attention = parallelize_module(build_attention(cfg), mesh, style)
     # Warm-up on a short shard, so one-off lazy allocations do not count as the layer's.
     attention(torch.randn(cfg.batch, 8, dim, dtype=dtype), freqs_cis).sum().backward()
     attention.zero_grad(set_to_none=True)
@@ -126,35 +172,46 @@ def measure(cfg: Config, heads_per_stage: int, mesh: DeviceMesh, freqs_cis: torc
     local_len = cfg.seq_len // cfg.cp
     x = torch.randn(cfg.batch, local_len, dim, dtype=dtype, requires_grad=True)
     grad = torch.randn(cfg.batch, local_len, dim, dtype=dtype)
+    host_before = _host_bytes(style)
     dist.barrier()
-    with profiler() as prof:
+    with profiler() as prof, record_function(LAYER):
         with record_function(FORWARD):
             out = attention(x, freqs_cis)
         with record_function(BACKWARD):
             out.backward(grad)
     survivors = [out, x.grad, *(p.grad for p in attention.parameters())]
     events, put_back = allocations(prof, {t.untyped_storage().data_ptr() for t in survivors})
-    put_back_max = torch.tensor(put_back)
-    dist.all_reduce(put_back_max, op=dist.ReduceOp.MAX)
+    _, device = split_events(events, lambda label: HOST_BUFFER in label)
+    maxima = torch.tensor([put_back, _host_bytes(style) - host_before])
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
     return Row(
-        heads_per_stage,
-        _phase(events, region(prof, FORWARD), region(prof, "upipe::attention_fwd")),
-        _phase(events, region(prof, BACKWARD), region(prof, "upipe::attention_bwd")),
-        int(put_back_max),
+        variant,
+        _max_over_ranks(region_memory(device, *region(prof, LAYER))).peak_bytes,
+        _phase(device, region(prof, FORWARD), region(prof, f"{variant.op}_fwd")),
+        _phase(device, region(prof, BACKWARD), region(prof, f"{variant.op}_bwd")),
+        int(maxima[1]),
+        int(maxima[0]),
     )
 
 
+def _host_bytes(style) -> int:
+    """Host memory held by the style's stores: FPDT parks chunks in pooled host buffers, which
+    are kept for the next layer, so what the pool grew by is the host memory this layer needed."""
+    host = getattr(style, "host", None)
+    return sum(store.host_bytes for store in host.stores.values()) if host else 0
+
+
 def _rank_rows(rank: int, cfg: Config) -> list[dict]:
-    """One CP rank: measure every U in turn (ranks stay in step through the collectives)."""
+    """One CP rank: measure every variant in turn (ranks stay in step through the collectives)."""
     mesh = init_device_mesh("cpu", (cfg.cp,), mesh_dim_names=("cp",))
     freqs_cis = precompute_freqs_cis(cfg.head_dim, cfg.seq_len, 500000.0)
-    return [asdict(measure(cfg, u, mesh, freqs_cis)) for u in cfg.stage_sizes]
+    return [asdict(measure(cfg, v, mesh, freqs_cis)) for v in cfg.variants]
 
 
 def run(cfg: Config) -> list[Row]:
     """The rows of rank 0 of C gloo ranks."""
-    return [Row(r["heads_per_stage"], Phase(**r["forward"]), Phase(**r["backward"]),
-                r["frees_put_back"]) for r in on_gloo_ranks(cfg.cp, _rank_rows, cfg)]
+    return [Row(Variant(**r["variant"]), r["peak"], Phase(**r["forward"]), Phase(**r["backward"]),
+                r["host_peak"], r["frees_put_back"]) for r in on_gloo_ranks(cfg.cp, _rank_rows, cfg)]
 
 
 # --- reporting ----------------------------------------------------------------------------------
@@ -164,66 +221,73 @@ def analytic_sizes(cfg: Config) -> dict[str, int]:
     """Reference tensor sizes per rank in bytes (N = B*S/C local tokens)."""
     tokens = cfg.batch * cfg.seq_len // cfg.cp
     item = DTYPES[cfg.dtype].itemsize
-    sizes = {"x, out buffer or full Q, all heads (N*H*d)":
-             tokens * cfg.n_heads * cfg.head_dim * item}
-    for u in cfg.stage_sizes:
+    dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    sizes = {"x, y, out buffer or full Q, all heads (N*H*d)": tokens * dim * item}
+    for u in sorted({v.heads_per_stage for v in cfg.variants if v.heads_per_stage}):
         sizes[f"one stage's Q at U={u} (N*U*d)"] = tokens * u * cfg.head_dim * item
-    sizes["all of K (or V), H_kv heads (N*H_kv*d)"] = tokens * cfg.n_kv_heads * cfg.head_dim * item
-    sizes["wq (H*d x H*d)"] = (cfg.n_heads * cfg.head_dim) ** 2 * item
+    sizes["all of K (or V), H_kv heads (N*H_kv*d)"] = tokens * kv_dim * item
+    sizes["gradients backward returns (dx, dwq..dwo)"] = (tokens * dim + 2 * dim * dim
+                                                          + 2 * dim * kv_dim) * item
     return sizes
-
-
-def _name(cfg: Config, heads_per_stage: int) -> str:
-    if heads_per_stage == cfg.n_heads:
-        return "U=H (Ulysses)"
-    if heads_per_stage == cfg.cp:
-        return "U=C (UPipe)"
-    return f"U={heads_per_stage // cfg.cp}C ({heads_per_stage})"
 
 
 def _table(title: str, columns: list[str], rows: list[tuple[str, list[float]]]) -> None:
     print(title)
-    header = f"{'config':<16}" + "".join(f"{c:>12}" for c in columns)
+    header = f"{'config':<22}" + "".join(f"{c:>12}" for c in columns)
     print(header)
     print("-" * len(header))
     for name, values in rows:
-        print(f"{name:<16}" + "".join(f"{v:>12.2f}" for v in values))
+        print(f"{name:<22}" + "".join(f"{v:>12.2f}" for v in values))
     print()
 
 
 def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -> None:
-    ulysses = next(r for r in rows if r.heads_per_stage == cfg.n_heads)
+    ulysses = next(r for r in rows if r.variant.style == "upipe" and not r.variant.chunks
+                   and r.variant.heads_per_stage == cfg.n_heads)
     print(f"One attention layer, C={cfg.cp} gloo ranks, B={cfg.batch}, S={cfg.seq_len} "
           f"({cfg.seq_len // cfg.cp} per rank), H={cfg.n_heads}, H_kv={cfg.n_kv_heads}, "
           f"d={cfg.head_dim}, {cfg.dtype}.\nMiB of live CPU allocations above the level at the "
           f"start of each region, max over ranks.\n")
-    _table("Whole layer (x ready -> output; output.backward(grad) -> grads exist)",
-           ["fwd peak", "bwd peak", "fwd/Ulysses", "bwd/Ulysses", "fwd kept"],
-           [(_name(cfg, r.heads_per_stage),
-             [r.forward.layer_peak / MiB, r.backward.layer_peak / MiB,
-              r.forward.layer_peak / ulysses.forward.layer_peak,
-              r.backward.layer_peak / ulysses.backward.layer_peak,
-              r.forward.layer_kept / MiB]) for r in rows])
-    _table("Inside the upipe op (stage loop); transient = peak - what the op returns",
-           ["fwd peak", "fwd trans", "bwd peak", "bwd trans", "fwd tr/Uly", "bwd tr/Uly"],
-           [(_name(cfg, r.heads_per_stage),
-             [r.forward.op_peak / MiB, r.forward.op_transient / MiB,
-              r.backward.op_peak / MiB, r.backward.op_transient / MiB,
-              r.forward.op_transient / ulysses.forward.op_transient,
-              r.backward.op_transient / ulysses.backward.op_transient]) for r in rows])
-    print("fwd kept: still live when forward returns (wo output, the op's saved out buffer, LSEs)."
-          f"\nFrees missed by the profiler (gloo worker thread) and put back, max per U: "
+    _table("Whole layer (x ready -> y; y.backward(grad) -> every gradient exists)",
+           ["layer peak", "vs Ulysses", "fwd peak", "fwd kept", "bwd peak", "bwd - grads",
+            "vs Ulysses", "host peak"],
+           [(r.variant.name,
+             [r.peak / MiB, r.peak / ulysses.peak, r.forward.layer_peak / MiB,
+              r.forward.layer_kept / MiB, r.backward.layer_peak / MiB,
+              r.backward.working / MiB, r.backward.working / ulysses.backward.working,
+              r.host_peak / MiB])
+            for r in rows])
+    print("layer peak: forward and backward together, above the level before forward. fwd kept: "
+          "still live when\nforward returns (y, the op's saved pre-wo output, LSEs). bwd peak: "
+          "above the level at the start of\nbackward (which includes fwd kept); bwd - grads: "
+          "less the gradients backward returns (dx, dwq..dwo:\nthe same in every row). host "
+          "peak: FPDT's parked chunks (host memory on a GPU).\n"
+          f"Frees missed by the profiler (gloo worker thread) and put back, max per row: "
           f"{', '.join(str(r.frees_put_back) for r in rows)}."
           "\nReference sizes per rank:")
     for name, nbytes in analytic_sizes(cfg).items():
-        print(f"  {name:<44}{nbytes / MiB:>8.2f} MiB")
+        print(f"  {name:<46}{nbytes / MiB:>8.2f} MiB")
     for row in rows if breakdown else []:
         for phase, data in (("forward", row.forward), ("backward", row.backward)):
-            for where, live in (("layer", data.layer_live_at_peak), ("op", data.op_live_at_peak)):
-                print(f"\n{_name(cfg, row.heads_per_stage)} {phase}, live at the {where} peak:")
-                for label, nbytes in list(live.items())[:breakdown]:
-                    print(f"  {nbytes / MiB:>8.2f} MiB  {label}")
+            print(f"\n{row.variant.name} {phase}, live at the layer peak:")
+            for label, nbytes in list(data.layer_live_at_peak.items())[:breakdown]:
+                print(f"  {nbytes / MiB:>8.2f} MiB  {label}")
     print(f"\n({seconds:.0f} s)")
+
+
+def default_variants(cp: int, n_heads: int, stage_sizes: list[int], fpdt_chunks: list[int]
+                     ) -> tuple[Variant, ...]:
+    """UPipe at each U (Ulysses, U = H, always), ring, FPDT and UPipe x FPDT (U = C) at each
+    chunk count."""
+    rows = []
+    for u in sorted(set(stage_sizes) | {n_heads}):
+        name = ("Ulysses (U = H)" if u == n_heads else "UPipe (U = C)" if u == cp
+                else f"UPipe (U = {u})")
+        rows.append(Variant(name, "upipe", u))
+    rows.append(Variant("ring", "ring"))
+    rows += [Variant(f"FPDT, {c} chunks", "fpdt", n_heads, c) for c in fpdt_chunks]
+    rows += [Variant(f"UPipe x FPDT, {c} ch.", "fpdt", cp, c) for c in fpdt_chunks]
+    return tuple(rows)
 
 
 def parse_args() -> tuple[Config, argparse.Namespace]:
@@ -236,16 +300,19 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--stage-sizes", type=int, nargs="+", default=None,
-                        help="heads per stage U to compare (default: C, 2C, H; H is always added)")
+                        help="UPipe's heads per stage U to compare (default: C, 2C; H is always added)")
+    parser.add_argument("--fpdt-chunks", type=int, nargs="*", default=[2, 4],
+                        help="sequence chunks of the FPDT and UPipe x FPDT rows (none: no such rows)")
     parser.add_argument("--breakdown", type=int, default=0, metavar="N",
-                        help="also print the N largest origins of live bytes at each peak")
+                        help="also print the N largest origins of live bytes at each layer peak")
     parser.add_argument("--json", action="store_true", help="print results as JSON instead")
     args = parser.parse_args()
     if args.seq_len % args.cp:
         parser.error(f"--seq-len {args.seq_len} must be divisible by --cp {args.cp}")
-    sizes = sorted(set(args.stage_sizes or [args.cp, 2 * args.cp]) | {args.n_heads})
+    variants = default_variants(args.cp, args.n_heads, args.stage_sizes or [args.cp, 2 * args.cp],
+                                args.fpdt_chunks)
     cfg = Config(args.cp, args.seq_len, args.batch, args.n_heads, args.n_kv_heads,
-                 args.head_dim, args.dtype, tuple(sizes))
+                 args.head_dim, args.dtype, variants)
     return cfg, args
 
 

@@ -118,6 +118,21 @@ def allocations(prof: profile, alive: set[int], code: re.Pattern[str] = CODE_OF_
     return found, len(missed)
 
 
+def split_events(events: list[Allocation], chosen) -> tuple[list[Allocation], list[Allocation]]:
+    """(events of allocations whose label ``chosen`` accepts, the others), each free with its
+    allocation: e.g. host buffers apart from device memory when both are CPU memory here."""
+    picked: list[Allocation] = []
+    rest: list[Allocation] = []
+    live: dict[int, bool] = {}
+    for event in events:
+        if event.nbytes > 0:
+            live[event.ptr] = chosen(event.label)
+            (picked if live[event.ptr] else rest).append(event)
+        else:  # a free without its allocation in the profile belongs to the (earlier) rest
+            (picked if live.pop(event.ptr, False) else rest).append(event)
+    return picked, rest
+
+
 def region(prof: profile, name: str) -> tuple[int, int]:
     """[start, end] in ns of the outermost profiler range called ``name`` (an op or a
     ``record_function``); a custom op shows up once per dispatch level, all nested."""
