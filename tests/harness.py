@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 from typing import Callable
 
@@ -20,15 +21,32 @@ VOCAB = 64
 
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple) -> None:
+    """One rank: ``fn``, then a barrier and the end of the process group, then ``os._exit(0)``.
+
+    ``destroy_process_group`` does not stop gloo's threads when torch still holds the group: FSDP2
+    and DTensor leave DeviceMeshes in DTensor's sharding caches, so after any test that uses them
+    the threads run on into interpreter shutdown. A gloo thread that needs the GIL then (to run a
+    future callback, or to drop the last reference to a collective's Python-owned tensors, as it
+    does when it finishes a work item after the caller has moved on) is ended by CPython through
+    C++ noexcept frames: "terminate called without an active exception", and the rank dies of
+    SIGABRT although the test passed (tests/test_harness.py reproduces it). So after the barrier
+    (every rank is done with its collectives, none leaves a peer mid-exchange) the worker skips
+    interpreter shutdown altogether; on failure the exception still goes to ``mp.spawn`` first.
+    """
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
     )
     try:
         fn(rank, world_size, *args)
-    finally:
         if dist.is_initialized():  # ``fn`` may have ended it itself
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
             dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args) -> None:
