@@ -37,6 +37,8 @@ class _Killed(RuntimeError):
 
 def _train(rank: int, world: int, dump: str, extra: list[str], kill_at: int, out: str) -> None:
     trainer = Trainer(_config(Path(dump), world, extra))
+    # A 2D job really runs on the (cp_ring, cp_heads) mesh, not the flattened cp one.
+    assert getattr(trainer.cp_style, "ring_degree", 1) == trainer.config.parallelism.ring_degree
     if kill_at:
         step_once, done = trainer.train_step, []
 
@@ -92,6 +94,12 @@ FPDT = ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "16
 def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]) -> None:
     _assert_close(_losses(tmp_path, "cp2", 2, extra), reference)
     assert reference[-1] < reference[0]
+
+
+def test_two_d_cp4_as_2x2_equals_cp1(tmp_path: Path, reference: list[float]) -> None:
+    """2D UPipe on 4 ranks, (cp_ring, cp_heads) = (2, 2): the head all-to-all inside a pair, ring
+    attention across the pairs, and the ring-balanced token layout through the whole trainer."""
+    _assert_close(_losses(tmp_path, "cp4", 4, ["--parallelism.ring_degree", "2"]), reference)
 
 
 def test_kill_and_resume(tmp_path: Path, reference: list[float]) -> None:
