@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -215,8 +216,14 @@ def _gloo_rank(rank: int, world_size: int, store: str, result_path: str, measure
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter shutdown, where gloo threads kept alive by torch's caches can abort the
+    # process (see tests/harness.py's _worker).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def on_gloo_ranks(world_size: int, measure_rank, *args):
