@@ -121,6 +121,8 @@ def test_knobs_follow_the_layout() -> None:
     chunks, heads = one_node["sequence_chunks"], one_node["heads_per_stage"]
     assert chunks.values == (8, 4, 2, 1) and heads.values == (2, 4, 8)
     assert chunks.apply(config, 4).parallelism.fpdt_chunk_tokens == 2048
+    assert one_node["blocks_per_checkpoint"].values == (2, 1)  # pairs save host memory, one is faster
+    assert one_node["blocks_per_checkpoint"].apply(config, 2).activation_checkpoint.blocks_per_checkpoint == 2
     assert one_node["tile_sizes"].keys == ("memory.loss_chunk_tokens",)
     assert one_node["tile_sizes"].apply(config, 4).memory.loss_chunk_tokens == config.memory.loss_chunk_tokens // 4
     two_nodes = on_world(config, 4, gpus_per_node=2)
@@ -129,6 +131,7 @@ def test_knobs_follow_the_layout() -> None:
     ulysses = knobs(on_world(parse_args(["--config", str(REPO / "train_configs/debug_model.toml"),
                                           "--parallelism.cp_style", "ulysses"]), 2, gpus_per_node=8))
     assert "cp_style is 'ulysses'" in ulysses["heads_per_stage"]
+    assert "not offloaded" in ulysses["blocks_per_checkpoint"]  # the debug job keeps block inputs
 
 
 @pytest.mark.parametrize("args, message", [

@@ -13,9 +13,11 @@ The search has two phases:
 
 1. **Longest context.** Every searched setting at its most memory-saving value (``Knob.values[0]``)
    and the secant search of ``length_search`` over seq_len. Nothing else can go longer (each
-   setting's saving end uses the least device memory), except when the limit is host RAM: FSDP
-   CPU offload trades device memory for host memory, so a host-bound limit is searched again
-   with it off, and the longer answer wins. Sequence chunks start from the fewest that plan as
+   setting's saving end uses the least device memory), except for the two settings that trade
+   device memory against host RAM: FSDP CPU offload (on: less device, more host) and blocks
+   checkpointed in pairs (less host, more device). Phase 1 starts with both on; a host-bound
+   limit is searched again with FSDP offload off, a device-bound one with pairs off, and the
+   longer answer wins. Sequence chunks start from the fewest that plan as
    low as the most at the recipe's length: once the peak lies outside attention (Llama3-8B at
    5M: 4 chunks and more plan the same), more chunks save nothing and each costs training time
    and planning time (a plan with 8 chunks takes ~3.6x one with 2).
@@ -26,6 +28,8 @@ The search has two phases:
    - ``sequence_chunks`` (UPipe x FPDT): with n chunks every query chunk fetches all earlier
      chunks' K/V from host memory (n(n-1)/2 host-to-device copies per stage instead of none) and
      attention runs as n(n+1)/2 smaller kernels: the costliest saving;
+   - ``blocks_per_checkpoint``: pairs recompute one more block forward per pair in backward
+     (about an eighth of the step);
    - ``heads_per_stage``: U = C is the least memory; a larger U runs fewer, larger stages (fewer
      all-to-alls and kernel launches per layer);
    - ``fsdp_cpu_offload``: the optimizer steps on the host and parameters are copied in every
@@ -96,7 +100,8 @@ def _tiles(config: JobConfig, divisor: int, width: int, recipe: JobConfig) -> Jo
     )
 
 
-KNOB_NAMES = ("sequence_chunks", "heads_per_stage", "fsdp_cpu_offload", "tile_sizes", "block_input_prefetch")
+KNOB_NAMES = ("sequence_chunks", "blocks_per_checkpoint", "heads_per_stage", "fsdp_cpu_offload", "tile_sizes",
+              "block_input_prefetch")
 """Every setting the search knows, in relaxation order (see the module docstring)."""
 
 
@@ -117,6 +122,12 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         found["sequence_chunks"] = Knob(
             "sequence_chunks", counts, ("parallelism.fpdt_chunk_tokens",), _chunks,
             lambda n: f"{n} chunks" if n > 1 else "no chunks")
+    offloaded = config.activation_checkpoint.mode == "full" and config.activation_checkpoint.cpu_offload
+    found["blocks_per_checkpoint"] = Knob(
+        "blocks_per_checkpoint", (2, 1), ("activation_checkpoint.blocks_per_checkpoint",),
+        lambda c, k: _replace(c, "activation_checkpoint", blocks_per_checkpoint=k),
+        lambda k: "checkpoint pairs" if k == 2 else "checkpoint each block",
+    ) if offloaded else "block inputs are not offloaded: [activation_checkpoint] mode = 'full' and cpu_offload = true"
     if "heads_per_stage" not in found:
         valid = valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis)
         found["heads_per_stage"] = Knob(
@@ -266,12 +277,16 @@ def find_max_context(
     best, plans = longest(settings, first)
     above = [p for p in plans if p.seq_len > best and not p.fits]
     host_bound = above and min(above, key=lambda p: p.seq_len).device_peak_bytes <= budget.device_bytes
-    if host_bound and settings.get("fsdp_cpu_offload"):
-        log("  the limit is host memory: searching again without FSDP CPU offload")
-        kept_on_device = {**settings, "fsdp_cpu_offload": False}
-        longer, more = longest(kept_on_device, plan_at(kept_on_device, max(best, granule)))
+    # The settings that trade device memory for host memory, switched the other way.
+    trade, why = (("fsdp_cpu_offload", "host memory: searching again without FSDP CPU offload") if host_bound
+                  else ("blocks_per_checkpoint", "device memory: searching again checkpointing each block"))
+    knob = next((k for k in chosen if k.name == trade), None)
+    if knob is not None and settings[trade] == knob.values[0]:
+        log(f"  the limit is {why}")
+        other = {**settings, trade: knob.values[1]}
+        longer, more = longest(other, plan_at(other, max(best, granule)))
         if longer > best:
-            best, plans, settings = longer, more, kept_on_device
+            best, plans, settings = longer, more, other
     if best == 0:
         raise ConfigError(
             f"not even {granule:,} tokens fit {budget.device_bytes / GiB:g} GiB per GPU and "

@@ -161,6 +161,7 @@ def ring_attention_backward(
             grad_q[:, rows] += dq
             grad_kv[0][:, keys] += dk
             grad_kv[1][:, keys] += dv
+            del dq, dk, dv  # the block's float32 gradients must not live on beside the next buffers
         grad_shift = _Shift(ring, grad_kv, _GRAD_TAG)
         if shift is not None:
             kv = shift.wait()
