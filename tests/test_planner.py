@@ -144,6 +144,25 @@ def test_planning_visits_a_few_tiles_and_plans_the_same(tmp_path: Path, monkeypa
     assert shortcut.host_peak_bytes == every_tile.host_peak_bytes
 
 
+@pytest.mark.parametrize("style", [["--parallelism.cp_style", "fpdt"], ["--parallelism.cp_style", "upipe"]])
+def test_planning_visits_a_few_fpdt_chunk_pairs_and_plans_the_same(tmp_path: Path, monkeypatch, style) -> None:
+    """FPDT's chunk loops (8 chunks: 36 query/key chunk pairs per stage) run a few pairs on fake
+    tensors and plan the same device and host memory as running all of them; as published (one
+    stage of all heads) and as UPipe x FPDT (KV blocks shared by several stages)."""
+    config = parse_args([
+        "--config", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
+        "--training.seq_len", "16384", "--training.local_batch_size", "1", *style,
+        "--parallelism.fpdt_chunk_tokens", "2048", "--activation_checkpoint.mode", "full",
+        "--activation_checkpoint.cpu_offload", "true",
+    ])
+    shortcut = plan_job(config)
+    monkeypatch.setattr(tiling, "_every_tile_when_planning", True)
+    every_pair = plan_job(config)
+    assert shortcut.device_peak_bytes == every_pair.device_peak_bytes
+    assert shortcut.device_breakdown == every_pair.device_breakdown
+    assert shortcut.host_peak_bytes == every_pair.host_peak_bytes
+
+
 @pytest.mark.parametrize("recipe,world", [
     ("llama3_8b_5M", 8), ("llama3_8b_8M", 8), ("llama3_32b_6M", 16), ("llama3_8b_2d_16gpu_12M", 16),
 ])

@@ -30,6 +30,7 @@ from .config import JobConfig, check_job
 from .kernels.attention import planning_cuda_workspaces
 from .kernels.op_mode import transparent_ops
 from .memory.tracker import MODEL_STATES, LiveMemoryTracker
+from .parallel.projections import forget_head_indices
 from .parallelize import build_meshes, describe_cp_style
 from .trainer import Trainer
 
@@ -271,6 +272,7 @@ def plan_job(
         metrics=dataclasses.replace(config.metrics, enable_tensorboard=False),
     )
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    forget_head_indices()
     try:
         meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
         tracker = LiveMemoryTracker()
@@ -298,6 +300,7 @@ def plan_job(
             breakdown.update(extra)
             device_peak += sum(extra.values())
     finally:
+        forget_head_indices()
         dist.destroy_process_group()
     ranks_per_node = min(world_size, budget.gpus_per_node)
     return Plan(

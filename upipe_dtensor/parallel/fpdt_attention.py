@@ -43,6 +43,7 @@ from torch import Tensor
 from ..kernels.attention import attention_backward, attention_forward, resolve_backend
 from ..kernels.merge import PartialAttention
 from ..memory.host_store import HostStore, Parked, named_host_store
+from ..memory.tiling import visited
 from .attention_op import AttentionOp
 from .layouts import split_lengths
 from .projections import AttentionProjections
@@ -131,10 +132,11 @@ def fpdt_forward(
                 q_i, k_i, v_i, scale, backend, causal=True, q_docs=docs_i, k_docs=docs_i
             ))
             del k_i, v_i
-            for j in range(i):
+            earlier = visited(q_i, range(i))
+            for step, j in enumerate(earlier):
                 k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
-                if j + 1 < i:  # the next earlier chunk travels while this one computes
-                    parking.prefetch(("k", j + 1), ("v", j + 1))
+                if step + 1 < len(earlier):  # the next earlier chunk travels while this one computes
+                    parking.prefetch(("k", earlier[step + 1]), ("v", earlier[step + 1]))
                 partial.add(*attention_forward(
                     q_i, k_j, v_j, scale, backend, causal=False,
                     q_docs=docs_i, k_docs=_docs(doc_ids, layer.gathered[j]),
@@ -177,7 +179,12 @@ def fpdt_backward(
             parking.put(("o", i), span.to_heads(span.read_stage(out[:, layer.local[i]], stage)))
             parking.put(("do", i), span.output_grad(grad_y[:, layer.local[i]], wo, stage))
 
-        for j, span_j in enumerate(layer.spans):  # outer: K/V chunks
+        # Planning (fake tensors) runs a few of the identical chunk pairs (``memory.tiling``): the
+        # first pass over the query chunks parks every partial dQ, so host memory is counted
+        # whole; K/V chunks are skipped only when no partial dK/dV outlive the stage.
+        outer = visited(x, range(count)) if stage.opens_kv_block and stage.closes_kv_block else range(count)
+        for j in outer:  # outer: K/V chunks
+            span_j = layer.spans[j]
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
             if stage.opens_kv_block:
                 grad_k_j = torch.zeros_like(k_j, dtype=torch.float32)
@@ -185,14 +192,16 @@ def fpdt_backward(
             else:
                 grad_k_j = parking.get(("dk", j), release=True)
                 grad_v_j = parking.get(("dv", j), release=True)
-            for i in range(j, count):  # inner: query chunks that see chunk j
+            queries = range(j, count) if j == 0 else visited(x, range(j, count))
+            for step, i in enumerate(queries):  # inner: query chunks that see chunk j
                 q_i = parking.get(("q", i), release=i == j)
                 o_i = parking.get(("o", i), release=i == j)
                 do_i = parking.get(("do", i), release=i == j)
                 grad_q_i = (torch.zeros_like(q_i, dtype=torch.float32) if j == 0
                             else parking.get(("dq", i), release=True))
-                if i + 1 < count:  # the next query chunk travels while this one computes
-                    parking.prefetch(("q", i + 1), ("o", i + 1), ("do", i + 1), ("dq", i + 1))
+                if step + 1 < len(queries):  # the next query chunk travels while this one computes
+                    following = queries[step + 1]
+                    parking.prefetch(("q", following), ("o", following), ("do", following), ("dq", following))
                 dq, dk, dv = attention_backward(
                     do_i, q_i, k_j, v_j, o_i, lse[index, :, :, layer.gathered[i]], scale, backend,
                     causal=i == j, q_docs=_docs(doc_ids, layer.gathered[i]),

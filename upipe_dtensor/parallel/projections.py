@@ -28,6 +28,12 @@ def _head_index(heads: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.tensor(heads, device=device)
 
 
+def forget_head_indices() -> None:
+    """Drop the cached head indices: the memory planner's fake tensors must not outlive one plan
+    (and each plan must count the indices it creates)."""
+    _head_index.cache_clear()
+
+
 def _add_product(target: Tensor, a: Tensor, b: Tensor) -> None:
     """target += a @ b, where ``target`` is (tokens, D) or a (B, L, D) span of a larger buffer:
     in place when the span is contiguous (always with batch 1), else through one temporary."""
