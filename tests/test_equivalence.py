@@ -195,6 +195,14 @@ def test_three_ranks_ring_and_fpdt() -> None:
     run_on_ranks(3, _grid, torch.float32, grid)
 
 
+def test_eight_ranks_as_two_by_four() -> None:
+    """2D with a ring of 2 and a head axis of 4 (8 processes, so two cases): UPipe with fewer KV
+    heads than the head axis at a length that is not a multiple of 2C, and Ulysses-2D (U = H)."""
+    grid = [dict(style="upipe2d", ring=2, n_heads=16, n_kv=2, u=4, seq_len=40),
+            dict(style="ulysses2d", ring=2, n_heads=16, n_kv=8, u=16, seq_len=32)]
+    run_on_ranks(8, _grid, torch.float32, grid)
+
+
 def test_grid_covers_the_promised_cases() -> None:
     for cp in (2, 4):
         grid = cases(cp, torch.float32)
