@@ -66,11 +66,11 @@ def test_length_search_finds_the_limit_of_known_curves(resolution: float) -> Non
                 assert len(plans) <= 4, [p.seq_len for p in plans]  # doubling + bisection took ~10
 
 
-def _max_context_json(tmp_path: Path, capsys, *args: str) -> dict:
+def _max_context_json(tmp_path: Path, capsys, *args: str, recipe: str = "debug_model.toml") -> dict:
     """Run ``plan --max-context --json`` on a copy of the debug config in tmp_path (so the printed
-    recipe can be saved next to it) and return the report."""
+    recipe can be saved next to it), or on ``recipe`` there, and return the report."""
     shutil.copy(REPO / "train_configs/debug_model.toml", tmp_path / "debug_model.toml")
-    code = plan_cli.main(["--config", str(tmp_path / "debug_model.toml"), "--max-context", "--json",
+    code = plan_cli.main(["--config", str(tmp_path / recipe), "--max-context", "--json",
                           *CHECKPOINTED, *args])
     assert code == 0
     return json.loads(capsys.readouterr().out)
@@ -98,6 +98,17 @@ def test_max_context_device_bound(tmp_path: Path, capsys) -> None:
     assert set(report["settings"]) == {"heads_per_stage", "fsdp_cpu_offload"}
     assert report["not_searched"]["block_input_prefetch"] == "not in --search"
     assert report["plan"]["device_peak_bytes"] > report["plan"]["host_per_node_bytes"]
+
+
+def test_max_context_on_two_nodes_prints_a_2d_recipe_without_sequence_chunks(tmp_path: Path, capsys) -> None:
+    """More GPUs than a node runs UPipe in 2D; the recipe's sequence chunks (which a ring axis
+    does not take) are switched off in the printed recipe, which loads, fits, and is the limit."""
+    (tmp_path / "chunked.toml").write_text('extends = "debug_model.toml"\n[parallelism]\nfpdt_chunk_tokens = 2048\n')
+    report = _max_context_json(tmp_path, capsys, "--device-memory-gib", "3.15", "--world-size", "4",
+                               "--gpus-per-node", "2", "--search", "heads_per_stage", recipe="chunked.toml")
+    _check_printed_recipe(tmp_path, report)
+    assert "fpdt_chunk_tokens = 0" in report["recipe_toml"] and "ring_degree = 2" in report["recipe_toml"]
+    assert "sequence chunks do not combine with a ring" in report["not_searched"]["sequence_chunks"]
 
 
 def test_max_context_relaxes_to_faster_settings_when_the_device_has_room(tmp_path: Path, capsys) -> None:

@@ -318,9 +318,9 @@ def recipe_toml(result: MaxContext, command: str) -> str:
     """A recipe that extends the given one with the length and settings found, the plan's numbers
     in comments (a file to save next to the given recipe), then the plan's breakdown as comments."""
     config, plan, budget = result.config, result.plan, result.plan.budget
-    keys = ["training.seq_len", "parallelism.context_parallel_degree",
-            "parallelism.data_parallel_shard_degree", "parallelism.ring_degree"]
-    keys += [key for knob in result.searched for key in knob.keys]
+    keys = ["training.seq_len", "parallelism.context_parallel_degree",  # what ``on_world`` sets
+            "parallelism.data_parallel_shard_degree", "parallelism.ring_degree", "parallelism.fpdt_chunk_tokens"]
+    keys += [key for knob in result.searched for key in knob.keys if key not in keys]
     keys += [key for key, source in config.sources.items() if source == "command line" and key not in keys]
     folder = config.job.dump_folder  # kept if given on the command line, else a folder of its own
     if config.sources.get("job.dump_folder") != "command line":
