@@ -164,12 +164,15 @@ def test_planning_visits_a_few_fpdt_chunk_pairs_and_plans_the_same(tmp_path: Pat
     assert shortcut.host_peak_bytes == every_pair.host_peak_bytes
 
 
-@pytest.mark.parametrize("recipe,world", [
-    ("llama3_8b_5M", 8), ("llama3_8b_8M", 8), ("llama3_32b_6M", 16), ("llama3_8b_2d_16gpu_12M", 16),
+@pytest.mark.parametrize("recipe,world,gib", [
+    ("llama3_8b_5M", 8, 80), ("llama3_8b_8M", 8, 80), ("llama3_32b_6M", 16, 80),
+    ("llama3_8b_2d_16gpu_12M", 16, 80), ("llama3_8b_h200_13M", 8, 140),
 ])
-def test_headline_recipes_fit_80_gib_gpus_and_2_tib_nodes(recipe: str, world: int) -> None:
-    """The long-context claims, CUDA allowances included: 8B at 5M and 8M on one node of 8, the
-    32B shape at 6M on 16, 8B at 12M on 16 with the 2D (ring x heads) layout."""
-    plan = plan_job(parse_args(["--config", str(REPO / f"recipes/{recipe}.toml")]))
+def test_headline_recipes_fit_their_gpus_and_2_tib_nodes(recipe: str, world: int, gib: int) -> None:
+    """The long-context claims, CUDA allowances included: 8B at 5M and 8M on one node of 8 x 80 GiB,
+    the 32B shape at 6M on 16, 8B at 12M on 16 with the 2D (ring x heads) layout, 8B at 13M on
+    one node of 8 H200s."""
+    budget = Budget(device_bytes=gib * GiB)  # 2 TiB host per node of 8
+    plan = plan_job(parse_args(["--config", str(REPO / f"recipes/{recipe}.toml")]), budget)
     assert plan.world_size == world
-    assert plan.fits, plan.render()  # 80 GiB per GPU, 2 TiB host per node of 8
+    assert plan.fits, plan.render()
