@@ -127,41 +127,31 @@ def test_cli_json_and_sweep(tmp_path: Path) -> None:
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
-def test_planning_visits_a_few_tiles_and_plans_the_same(tmp_path: Path, monkeypatch) -> None:
-    """On fake tensors the tiled ops run their first two tiles and their last (memory/tiling.py):
-    every plan equals the plan that runs every tile, at >= 4 tiles of MLP, RMSNorm, RoPE and loss."""
+SHORTCUTS = {  # on fake tensors: loops of >= 4 identical iterations run their first two and last
+    "tiles": ["--training.seq_len", str(5 * 16384), "--parallelism.context_parallel_degree", "1",
+              "--memory.tiled_mlp", "true", "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true"],
+    # 8 chunks: 36 query/key chunk pairs per stage; one stage of all heads, as published
+    "fpdt": ["--training.seq_len", "16384", "--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "2048"],
+    # UPipe x FPDT: KV blocks shared by several stages (partial dK/dV parked between them)
+    "upipe x fpdt": ["--training.seq_len", "16384", "--parallelism.fpdt_chunk_tokens", "2048"],
+}
+
+
+@pytest.mark.parametrize("loops", SHORTCUTS, ids=list(SHORTCUTS))
+def test_planning_visits_a_few_iterations_and_plans_the_same(tmp_path: Path, monkeypatch, loops: str) -> None:
+    """The tiled ops (MLP, RMSNorm, RoPE, loss; memory/tiling.py) and FPDT's chunk-pair loops plan
+    the same device and host memory with the planner's shortcut as with every iteration."""
     config = parse_args([
         "--config", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
-        "--training.seq_len", str(5 * 16384), "--training.local_batch_size", "1",
-        "--parallelism.context_parallel_degree", "1", "--activation_checkpoint.mode", "full",
-        "--activation_checkpoint.cpu_offload", "true", "--memory.tiled_mlp", "true",
-        "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true",
+        "--training.local_batch_size", "1", "--activation_checkpoint.mode", "full",
+        "--activation_checkpoint.cpu_offload", "true", *SHORTCUTS[loops],
     ])
     shortcut = plan_job(config)
     monkeypatch.setattr(tiling, "_every_tile_when_planning", True)
-    every_tile = plan_job(config)
-    assert shortcut.device_peak_bytes == every_tile.device_peak_bytes
-    assert shortcut.device_breakdown == every_tile.device_breakdown
-    assert shortcut.host_peak_bytes == every_tile.host_peak_bytes
-
-
-@pytest.mark.parametrize("style", [["--parallelism.cp_style", "fpdt"], ["--parallelism.cp_style", "upipe"]])
-def test_planning_visits_a_few_fpdt_chunk_pairs_and_plans_the_same(tmp_path: Path, monkeypatch, style) -> None:
-    """FPDT's chunk loops (8 chunks: 36 query/key chunk pairs per stage) run a few pairs on fake
-    tensors and plan the same device and host memory as running all of them; as published (one
-    stage of all heads) and as UPipe x FPDT (KV blocks shared by several stages)."""
-    config = parse_args([
-        "--config", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
-        "--training.seq_len", "16384", "--training.local_batch_size", "1", *style,
-        "--parallelism.fpdt_chunk_tokens", "2048", "--activation_checkpoint.mode", "full",
-        "--activation_checkpoint.cpu_offload", "true",
-    ])
-    shortcut = plan_job(config)
-    monkeypatch.setattr(tiling, "_every_tile_when_planning", True)
-    every_pair = plan_job(config)
-    assert shortcut.device_peak_bytes == every_pair.device_peak_bytes
-    assert shortcut.device_breakdown == every_pair.device_breakdown
-    assert shortcut.host_peak_bytes == every_pair.host_peak_bytes
+    every_iteration = plan_job(config)
+    assert shortcut.device_peak_bytes == every_iteration.device_peak_bytes
+    assert shortcut.device_breakdown == every_iteration.device_breakdown
+    assert shortcut.host_peak_bytes == every_iteration.host_peak_bytes
 
 
 @pytest.mark.parametrize("recipe,world,gib", [

@@ -117,30 +117,26 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _styles(text: str) -> list[str]:
-    """Comma-separated CP styles, each one of the config's ``cp_style`` choices."""
-    styles = [style.strip() for style in text.split(",")]
-    unknown = [style for style in styles if style not in CP_STYLES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown cp style {', '.join(map(repr, unknown))}; choose from {', '.join(CP_STYLES)} "
-            "(comma-separated, e.g. upipe,ulysses)"
-        )
-    if len(set(styles)) != len(styles):
-        raise argparse.ArgumentTypeError(f"{text!r} names a style twice")
-    return styles
+def _names(kind: str, choices: tuple[str, ...], example: str) -> Callable[[str], list[str]]:
+    """A parser of comma-separated ``kind`` names, each one of ``choices``, none twice."""
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",")]
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} {', '.join(map(repr, unknown))}; choose from {', '.join(choices)} "
+                f"(comma-separated, e.g. {example})"
+            )
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{text!r} names a {kind} twice")
+        return names
+
+    return parse
 
 
-def _knobs(text: str) -> list[str]:
-    """Comma-separated setting names, each one of ``max_context.KNOB_NAMES``."""
-    names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in KNOB_NAMES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown setting {', '.join(map(repr, unknown))}; choose from {', '.join(KNOB_NAMES)} "
-            "(comma-separated, e.g. heads_per_stage,fsdp_cpu_offload)"
-        )
-    return names
+_styles = _names("cp style", tuple(CP_STYLES), "upipe,ulysses")
+_knobs = _names("setting", KNOB_NAMES, "heads_per_stage,fsdp_cpu_offload")
 
 
 def main(argv: list[str]) -> int:
