@@ -22,6 +22,13 @@ layout, so they never travel. With R = 1 this is one causal kernel call.
 
 Used by ``RingAttention`` (ring over the whole CP group) and by 2D UPipe/Ulysses (a ring across
 nodes inside every head stage): one ring implementation.
+
+Why not PyTorch's own ring (``torch.distributed.tensor.experimental.context_parallel``, whose
+``_templated_ring_attention`` is private): it dispatches only the CUDA SDPA kernels (flash,
+memory-efficient, cuDNN), so it has no CPU + gloo path to test on; it takes ``is_causal`` but no
+mask, so no document masking; and it runs as its own autograd around SDPA calls, where every
+style here must run inside one custom op that saves only the input, the output and the LSE, on a
+sub-group (the ring axis of 2D) with the shared kernels' (out, lse) contract.
 """
 
 from __future__ import annotations
