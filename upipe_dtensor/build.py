@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -47,49 +47,6 @@ def _init_process_group(backend: str) -> None:
             port = probe.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend)
-
-
-@dataclass
-class ParallelModel:
-    """A built, parallelised model with what its users need to feed it."""
-
-    config: JobConfig
-    model: Llama3
-    tokenizer: Tokenizer
-    device: torch.device
-    meshes: ParallelMeshes
-    cp_style: UPipeAttention
-    """Its ``shard_positions`` says which tokens of a sequence this CP rank feeds."""
-    host_offload: HostOffload | None
-    world_size: int
-    dp: int
-    dp_rank: int
-    cp: int
-    cp_rank: int
-
-    def shard_sequence(self, batch: Tensor) -> Tensor:
-        """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
-        positions = self.cp_style.shard_positions(batch.shape[1], self.cp_rank, self.cp)
-        return batch.index_select(1, positions.to(batch.device)).to(self.device)
-
-    def document_inputs(self, tokens: Tensor) -> dict[str, Tensor | None]:
-        """The model's ``attention_masks`` and ``positions`` for a batch of whole sequences,
-        as [training] attention_mask and position_ids ask (None: causal, global positions).
-
-        The document ids cover the whole (B, S) sequence: every CP rank builds the whole batch
-        from the loader, so no communication is needed; they cost 4 bytes per token.
-        """
-        training = self.config.training
-        causal = training.attention_mask == "causal" and training.position_ids == "global"
-        if causal:
-            return {"attention_masks": None, "positions": None}
-        doc_ids = document_ids(tokens, self.tokenizer.eos_id)
-        return {
-            "attention_masks": doc_ids.to(self.device) if training.attention_mask == "document" else None,
-            "positions": self.shard_sequence(document_positions(doc_ids))
-            if training.position_ids == "document"
-            else None,
-        }
 
 
 @dataclass
@@ -150,6 +107,41 @@ def set_up_job(
     )
 
 
+@dataclass
+class ParallelModel(JobSetup):
+    """A built, parallelised model, with the job setup it was built on and what its users need to
+    feed it."""
+
+    model: Llama3
+    cp_style: UPipeAttention
+    """Its ``shard_positions`` says which tokens of a sequence this CP rank feeds."""
+    host_offload: HostOffload | None
+
+    def shard_sequence(self, batch: Tensor) -> Tensor:
+        """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
+        positions = self.cp_style.shard_positions(batch.shape[1], self.cp_rank, self.cp)
+        return batch.index_select(1, positions.to(batch.device)).to(self.device)
+
+    def document_inputs(self, tokens: Tensor) -> dict[str, Tensor | None]:
+        """The model's ``attention_masks`` and ``positions`` for a batch of whole sequences,
+        as [training] attention_mask and position_ids ask (None: causal, global positions).
+
+        The document ids cover the whole (B, S) sequence: every CP rank builds the whole batch
+        from the loader, so no communication is needed; they cost 4 bytes per token.
+        """
+        training = self.config.training
+        causal = training.attention_mask == "causal" and training.position_ids == "global"
+        if causal:
+            return {"attention_masks": None, "positions": None}
+        doc_ids = document_ids(tokens, self.tokenizer.eos_id)
+        return {
+            "attention_masks": doc_ids.to(self.device) if training.attention_mask == "document" else None,
+            "positions": self.shard_sequence(document_positions(doc_ids))
+            if training.position_ids == "document"
+            else None,
+        }
+
+
 def build_parallel_model(
     config: JobConfig,
     *,
@@ -177,18 +169,10 @@ def build_parallel_model(
     model.to_empty(device=setup.device)
     init_sharded_weights(model, seed=config.training.seed, device=setup.device)
     return ParallelModel(
-        config=config,
+        **{field.name: getattr(setup, field.name) for field in fields(JobSetup)},
         model=model,
-        tokenizer=setup.tokenizer,
-        device=setup.device,
-        meshes=setup.meshes,
         cp_style=parallelized.cp_style,
         host_offload=parallelized.host_offload,
-        world_size=setup.world_size,
-        dp=setup.dp,
-        dp_rank=setup.dp_rank,
-        cp=setup.cp,
-        cp_rank=setup.cp_rank,
     )
 
 
