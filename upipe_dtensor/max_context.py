@@ -216,13 +216,15 @@ def describe(settings: dict[str, Any], searched: list[Knob]) -> str:
 
 
 def find_max_context(
-    config: JobConfig, budget: Budget, world_size: int, *, search: list[str] | None = None,
+    config: JobConfig, budget: Budget, world_size: int | None = None, *, search: list[str] | None = None,
     resolution: float = 0.0, log: Callable[[str], None] = lambda _: None,
 ) -> MaxContext:
-    """Run both phases (module docstring) for ``config`` on ``world_size`` GPUs. ``search`` names
-    the settings to search (default: all that apply); the rest stay as the recipe has them."""
+    """Run both phases (module docstring) for ``config`` on ``world_size`` GPUs (default: the
+    recipe's world, cp x dp_shard). ``search`` names the settings to search (default: all that
+    apply); the rest stay as the recipe has them."""
     started = time.perf_counter()
     recipe_world = config.parallelism.context_parallel_degree * max(config.parallelism.data_parallel_shard_degree, 1)
+    world_size = world_size or recipe_world
     try:
         base = on_world(config, world_size, budget.gpus_per_node)
     except ConfigError as err:

@@ -184,10 +184,8 @@ def main(argv: list[str]) -> int:
     try:
         config = parse_args(["--config", args.config, *overrides])
         if args.max_context:
-            world = args.world_size or (config.parallelism.context_parallel_degree
-                                        * max(config.parallelism.data_parallel_shard_degree, 1))
             progress = (lambda _: None) if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
-            result = find_max_context(config, budget, world, search=args.search,
+            result = find_max_context(config, budget, args.world_size, search=args.search,
                                       resolution=args.resolution or 0.0, log=progress)
             command = shlex.join(["python", "-m", "upipe_dtensor.plan", *argv])
             print(json.dumps(result.as_dict(command), indent=2) if args.json
