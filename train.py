@@ -16,7 +16,7 @@ import os
 import sys
 
 from upipe_dtensor.config import ConfigError, config_help, parse_args
-from upipe_dtensor.errors import JobComplete, JobError, JobStopped, report_outcome
+from upipe_dtensor.errors import JobComplete, JobError, JobStopped, end_process, report_outcome
 
 
 def _launcher_error(argv: list[str], config) -> ConfigError | None:
@@ -67,4 +67,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import tempfile
 import threading
 import time
@@ -24,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._C._profiler import _EventType, _ProfilerEvent
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from upipe_dtensor.errors import end_process
 
 MiB = 2**20
 # Ops that only allocate: an allocation is labelled by the op that called them instead.
@@ -219,11 +220,7 @@ def _gloo_rank(rank: int, world_size: int, store: str, result_path: str, measure
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Skip interpreter shutdown, where gloo threads kept alive by torch's caches can abort the
-    # process (see tests/harness.py's _worker).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process(0)  # skips interpreter shutdown, where gloo threads can abort the process
 
 
 def on_gloo_ranks(world_size: int, measure_rank, *args):

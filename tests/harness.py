@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import tempfile
 from typing import Callable
 
@@ -16,22 +15,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.models.llama3.model.model import Transformer
 
 from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
+from upipe_dtensor.errors import end_process
 
 VOCAB = 64
 
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple) -> None:
-    """One rank: ``fn``, then a barrier and the end of the process group, then ``os._exit(0)``.
-
-    ``destroy_process_group`` does not stop gloo's threads when torch still holds the group: FSDP2
-    and DTensor leave DeviceMeshes in DTensor's sharding caches, so after any test that uses them
-    the threads run on into interpreter shutdown. A gloo thread that needs the GIL then (to run a
-    future callback, or to drop the last reference to a collective's Python-owned tensors, as it
-    does when it finishes a work item after the caller has moved on) is ended by CPython through
-    C++ noexcept frames: "terminate called without an active exception", and the rank dies of
-    SIGABRT although the test passed (tests/test_harness.py reproduces it). So after the barrier
-    (every rank is done with its collectives, none leaves a peer mid-exchange) the worker skips
-    interpreter shutdown altogether; on failure the exception still goes to ``mp.spawn`` first.
+    """One rank: ``fn``, then a barrier and the end of the process group, then
+    ``errors.end_process(0)``, which skips interpreter shutdown (where gloo threads kept alive by
+    torch's caches abort the process although the test passed). The barrier first: every rank is
+    done with its collectives, none leaves a peer mid-exchange. On failure the exception still
+    goes to ``mp.spawn``.
     """
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -44,9 +38,7 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args) -> None:

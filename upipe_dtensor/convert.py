@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, parse_args
+from .errors import end_process
 from .models.hf_config import args_from_hf, model_args, read_hf_config
 from .models.llama3 import Llama3, Llama3Args
 from .parallelize import DTYPES
@@ -111,4 +112,4 @@ def _convert(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))

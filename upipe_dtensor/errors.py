@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import NoReturn
+
+import torch.distributed as dist
 
 
 class JobError(RuntimeError):
@@ -36,3 +39,21 @@ def report_outcome(message: str, code: int) -> int:
     elif code != 0:
         time.sleep(1.0)
     return code
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with ``code`` once its work is done, skipping interpreter shutdown.
+
+    ``destroy_process_group`` does not stop gloo's threads while torch still holds the group
+    (FSDP2 and DTensor keep DeviceMeshes in DTensor's sharding caches), so they run on into
+    interpreter shutdown. A gloo thread that needs the GIL then is ended by CPython through C++
+    noexcept frames ("terminate called without an active exception"): the rank dies of SIGABRT
+    instead of exiting with its own code (tests/test_harness.py reproduces it). Every entry point
+    that runs ranks ends through here: train.py, evaluate, convert, the test harness and the
+    benchmarks.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

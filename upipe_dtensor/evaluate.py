@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .build import ParallelModel, build_parallel_model, load_initial_weights, set_up_job
 from .checkpoint import choose_snapshot, snapshot_candidates
 from .config import ConfigError, JobConfig, parse_args
-from .errors import JobError, report_outcome
+from .errors import JobError, end_process, report_outcome
 from .models.hf_config import model_args
 from .models.llama3 import IGNORE_INDEX
 from .weights import initial_load_folder, load_dcp_weights
@@ -224,4 +224,4 @@ def _vocab_size(config: JobConfig) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))
