@@ -1,6 +1,6 @@
 """Train a Llama3 model with FSDP2 + UPipe context parallelism from a TOML job file.
 
-    torchrun --nproc_per_node 2 train.py --config train_configs/debug_model.toml
+    torchrun --nproc_per_node 2 train.py --config recipes/debug_model.toml
     torchrun --nproc_per_node 8 train.py --config recipes/llama3_8b_5M.toml --training.steps 20
 
 Any ``--section.key value`` after the config overrides that key of the file.
@@ -16,14 +16,13 @@ import os
 import sys
 
 from upipe_dtensor.config import ConfigError, config_help, parse_args
-from upipe_dtensor.errors import JobComplete, JobError, JobStopped, end_process, report_outcome
+from upipe_dtensor.runtime.errors import end_process, run_main
 
 
 def _launcher_error(argv: list[str], config) -> ConfigError | None:
     """A job of several processes is started by torchrun, which sets RANK/WORLD_SIZE (a
     one-process job may run under plain ``python``)."""
-    parallelism = config.parallelism
-    processes = parallelism.context_parallel_degree * max(parallelism.data_parallel_shard_degree, 1)
+    processes = config.parallelism.world_size
     if processes == 1 or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return None
     return ConfigError(
@@ -34,36 +33,26 @@ def _launcher_error(argv: list[str], config) -> ConfigError | None:
 
 def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
-        print(__doc__ + "\nOptions (--section.key value, the [section] key of the TOML file):\n"
-              + config_help())
+        print(
+            __doc__
+            + "\nOptions (--section.key value, the [section] key of the TOML file):\n"
+            + config_help()
+        )
         return 0
-    import torch.distributed as dist  # after --help: importing torch takes seconds
+    from upipe_dtensor.jobs.trainer import Trainer  # after --help: importing torch takes seconds
 
-    from upipe_dtensor.trainer import Trainer
-
-    try:
+    def train() -> None:
         config = parse_args(argv)
         if config.config_file is None:  # all defaults is never what a training job meant
             raise ConfigError(
                 "command line: --config FILE.toml is required (e.g. --config "
-                "train_configs/debug_model.toml); --help lists every --section.key option"
+                "recipes/debug_model.toml); --help lists every --section.key option"
             )
         if error := _launcher_error(argv, config):
             raise error
-        trainer = Trainer(config)
-        trainer.train()
-    except ConfigError as err:
-        return report_outcome(f"config error: {err}", 2)
-    except JobComplete as done:
-        return report_outcome(str(done), 0)
-    except JobError as err:
-        return report_outcome(f"error: {err}", 1)
-    except JobStopped as stopped:
-        return report_outcome(str(stopped), 128 + stopped.signum)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        Trainer(config).train()
+
+    return run_main(train)
 
 
 if __name__ == "__main__":

@@ -31,14 +31,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from live_memory import (
+    Allocation,
+    MiB,
+    RegionMemory,
+    allocations,
+    check_tracker,
+    on_gloo_ranks,
+    profiler,
+    region,
+    region_memory,
+    split_events,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import record_function
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
-from live_memory import (MiB, Allocation, RegionMemory, allocations, check_tracker, on_gloo_ranks,
-                         profiler, region, region_memory, split_events)
 from upipe_dtensor.parallel.style import FPDTAttention, RingAttention, UPipeAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -121,8 +131,12 @@ class Row:
 
 def build_attention(cfg: Config) -> Attention:
     """A torchtitan Llama3 attention layer, identical on every rank."""
-    args = TransformerModelArgs(dim=cfg.n_heads * cfg.head_dim, n_heads=cfg.n_heads,
-                                n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len)
+    args = TransformerModelArgs(
+        dim=cfg.n_heads * cfg.head_dim,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        max_seq_len=cfg.seq_len,
+    )
     torch.manual_seed(0)
     attention = Attention(args)
     with torch.no_grad():
@@ -153,9 +167,12 @@ def _phase(events: list[Allocation], layer: tuple[int, int], op: tuple[int, int]
 def make_style(cfg: Config, variant: Variant):
     if variant.style == "ring":
         return RingAttention()
-    if variant.chunks:
-        return FPDTAttention(chunk_tokens=cfg.seq_len // variant.chunks,
-                             heads_per_stage=variant.heads_per_stage)
+    if variant.style == "fpdt":
+        return FPDTAttention(chunk_tokens=cfg.seq_len // variant.chunks)
+    if variant.chunks:  # UPipe x FPDT
+        return UPipeAttention(
+            heads_per_stage=variant.heads_per_stage, chunk_tokens=cfg.seq_len // variant.chunks
+        )
     return UPipeAttention(heads_per_stage=variant.heads_per_stage)
 
 
@@ -210,8 +227,17 @@ def _rank_rows(rank: int, cfg: Config) -> list[dict]:
 
 def run(cfg: Config) -> list[Row]:
     """The rows of rank 0 of C gloo ranks."""
-    return [Row(Variant(**r["variant"]), r["peak"], Phase(**r["forward"]), Phase(**r["backward"]),
-                r["host_peak"], r["frees_put_back"]) for r in on_gloo_ranks(cfg.cp, _rank_rows, cfg)]
+    return [
+        Row(
+            Variant(**r["variant"]),
+            r["peak"],
+            Phase(**r["forward"]),
+            Phase(**r["backward"]),
+            r["host_peak"],
+            r["frees_put_back"],
+        )
+        for r in on_gloo_ranks(cfg.cp, _rank_rows, cfg)
+    ]
 
 
 # --- reporting ----------------------------------------------------------------------------------
@@ -226,8 +252,9 @@ def analytic_sizes(cfg: Config) -> dict[str, int]:
     for u in sorted({v.heads_per_stage for v in cfg.variants if v.heads_per_stage}):
         sizes[f"one stage's Q at U={u} (N*U*d)"] = tokens * u * cfg.head_dim * item
     sizes["all of K (or V), H_kv heads (N*H_kv*d)"] = tokens * kv_dim * item
-    sizes["gradients backward returns (dx, dwq..dwo)"] = (tokens * dim + 2 * dim * dim
-                                                          + 2 * dim * kv_dim) * item
+    sizes["gradients backward returns (dx, dwq..dwo)"] = (
+        tokens * dim + 2 * dim * dim + 2 * dim * kv_dim
+    ) * item
     return sizes
 
 
@@ -242,29 +269,58 @@ def _table(title: str, columns: list[str], rows: list[tuple[str, list[float]]]) 
 
 
 def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -> None:
-    ulysses = next(r for r in rows if r.variant.style == "upipe" and not r.variant.chunks
-                   and r.variant.heads_per_stage == cfg.n_heads)
-    print(f"One attention layer, C={cfg.cp} gloo ranks, B={cfg.batch}, S={cfg.seq_len} "
-          f"({cfg.seq_len // cfg.cp} per rank), H={cfg.n_heads}, H_kv={cfg.n_kv_heads}, "
-          f"d={cfg.head_dim}, {cfg.dtype}.\nMiB of live CPU allocations above the level at the "
-          f"start of each region, max over ranks.\n")
-    _table("Whole layer (x ready -> y; y.backward(grad) -> every gradient exists)",
-           ["layer peak", "vs Ulysses", "fwd peak", "fwd kept", "bwd peak", "bwd - grads",
-            "vs Ulysses", "host peak"],
-           [(r.variant.name,
-             [r.peak / MiB, r.peak / ulysses.peak, r.forward.layer_peak / MiB,
-              r.forward.layer_kept / MiB, r.backward.layer_peak / MiB,
-              r.backward.working / MiB, r.backward.working / ulysses.backward.working,
-              r.host_peak / MiB])
-            for r in rows])
-    print("layer peak: forward and backward together, above the level before forward. fwd kept: "
-          "still live when\nforward returns (y, the op's saved pre-wo output, LSEs). bwd peak: "
-          "above the level at the start of\nbackward (which includes fwd kept); bwd - grads: "
-          "less the gradients backward returns (dx, dwq..dwo:\nthe same in every row). host "
-          "peak: FPDT's parked chunks (host memory on a GPU).\n"
-          f"Frees missed by the profiler (gloo worker thread) and put back, max per row: "
-          f"{', '.join(str(r.frees_put_back) for r in rows)}."
-          "\nReference sizes per rank:")
+    ulysses = next(
+        r
+        for r in rows
+        if r.variant.style == "upipe"
+        and not r.variant.chunks
+        and r.variant.heads_per_stage == cfg.n_heads
+    )
+    print(
+        f"One attention layer, C={cfg.cp} gloo ranks, B={cfg.batch}, S={cfg.seq_len} "
+        f"({cfg.seq_len // cfg.cp} per rank), H={cfg.n_heads}, H_kv={cfg.n_kv_heads}, "
+        f"d={cfg.head_dim}, {cfg.dtype}.\nMiB of live CPU allocations above the level at the "
+        f"start of each region, max over ranks.\n"
+    )
+    _table(
+        "Whole layer (x ready -> y; y.backward(grad) -> every gradient exists)",
+        [
+            "layer peak",
+            "vs Ulysses",
+            "fwd peak",
+            "fwd kept",
+            "bwd peak",
+            "bwd - grads",
+            "vs Ulysses",
+            "host peak",
+        ],
+        [
+            (
+                r.variant.name,
+                [
+                    r.peak / MiB,
+                    r.peak / ulysses.peak,
+                    r.forward.layer_peak / MiB,
+                    r.forward.layer_kept / MiB,
+                    r.backward.layer_peak / MiB,
+                    r.backward.working / MiB,
+                    r.backward.working / ulysses.backward.working,
+                    r.host_peak / MiB,
+                ],
+            )
+            for r in rows
+        ],
+    )
+    print(
+        "layer peak: forward and backward together, above the level before forward. fwd kept: "
+        "still live when\nforward returns (y, the op's saved pre-wo output, LSEs). bwd peak: "
+        "above the level at the start of\nbackward (which includes fwd kept); bwd - grads: "
+        "less the gradients backward returns (dx, dwq..dwo:\nthe same in every row). host "
+        "peak: FPDT's parked chunks (host memory on a GPU).\n"
+        f"Frees missed by the profiler (gloo worker thread) and put back, max per row: "
+        f"{', '.join(str(r.frees_put_back) for r in rows)}."
+        "\nReference sizes per rank:"
+    )
     for name, nbytes in analytic_sizes(cfg).items():
         print(f"  {name:<46}{nbytes / MiB:>8.2f} MiB")
     for row in rows if breakdown else []:
@@ -275,14 +331,20 @@ def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -
     print(f"\n({seconds:.0f} s)")
 
 
-def default_variants(cp: int, n_heads: int, stage_sizes: list[int], fpdt_chunks: list[int]
-                     ) -> tuple[Variant, ...]:
+def default_variants(
+    cp: int, n_heads: int, stage_sizes: list[int], fpdt_chunks: list[int]
+) -> tuple[Variant, ...]:
     """UPipe at each U (Ulysses, U = H, always), ring, FPDT and UPipe x FPDT (U = C) at each
     chunk count."""
     rows = []
     for u in sorted(set(stage_sizes) | {n_heads}):
-        name = ("Ulysses (U = H)" if u == n_heads else "UPipe (U = C)" if u == cp
-                else f"UPipe (U = {u})")
+        name = (
+            "Ulysses (U = H)"
+            if u == n_heads
+            else "UPipe (U = C)"
+            if u == cp
+            else f"UPipe (U = {u})"
+        )
         rows.append(Variant(name, "upipe", u))
     rows.append(Variant("ring", "ring"))
     rows += [Variant(f"FPDT, {c} chunks", "fpdt", n_heads, c) for c in fpdt_chunks]
@@ -299,20 +361,44 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--n-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--stage-sizes", type=int, nargs="+", default=None,
-                        help="UPipe's heads per stage U to compare (default: C, 2C; H is always added)")
-    parser.add_argument("--fpdt-chunks", type=int, nargs="*", default=[2, 4],
-                        help="sequence chunks of the FPDT and UPipe x FPDT rows (none: no such rows)")
-    parser.add_argument("--breakdown", type=int, default=0, metavar="N",
-                        help="also print the N largest origins of live bytes at each layer peak")
+    parser.add_argument(
+        "--stage-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="UPipe's heads per stage U to compare (default: C, 2C; H is always added)",
+    )
+    parser.add_argument(
+        "--fpdt-chunks",
+        type=int,
+        nargs="*",
+        default=[2, 4],
+        help="sequence chunks of the FPDT and UPipe x FPDT rows (none: no such rows)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N largest origins of live bytes at each layer peak",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON instead")
     args = parser.parse_args()
     if args.seq_len % args.cp:
         parser.error(f"--seq-len {args.seq_len} must be divisible by --cp {args.cp}")
-    variants = default_variants(args.cp, args.n_heads, args.stage_sizes or [args.cp, 2 * args.cp],
-                                args.fpdt_chunks)
-    cfg = Config(args.cp, args.seq_len, args.batch, args.n_heads, args.n_kv_heads,
-                 args.head_dim, args.dtype, variants)
+    variants = default_variants(
+        args.cp, args.n_heads, args.stage_sizes or [args.cp, 2 * args.cp], args.fpdt_chunks
+    )
+    cfg = Config(
+        args.cp,
+        args.seq_len,
+        args.batch,
+        args.n_heads,
+        args.n_kv_heads,
+        args.head_dim,
+        args.dtype,
+        variants,
+    )
     return cfg, args
 
 
@@ -323,8 +409,16 @@ def main() -> None:
     rows = run(cfg)
     seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps({"config": asdict(cfg), "analytic_bytes": analytic_sizes(cfg),
-                          "rows": [asdict(r) for r in rows]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "config": asdict(cfg),
+                    "analytic_bytes": analytic_sizes(cfg),
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
     else:
         print_report(cfg, rows, args.breakdown, seconds)
 

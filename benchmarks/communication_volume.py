@@ -1,6 +1,6 @@
 """Per-layer communication volume of each CP method at full scale, as a markdown table.
 
-The numbers come from ``upipe_dtensor.communication.layer_traffic``, whose formulas
+The numbers come from ``upipe_dtensor.planning.communication_volume.layer_traffic``, whose formulas
 tests/test_communication.py checks byte for byte against the sends counted on real gloo runs. They
 are what one rank sends for one attention layer (bf16 activations), split into the head axis
 (all-to-all, inside a node) and the ring axis (point-to-point; across nodes in 2D), for one training
@@ -11,11 +11,13 @@ step under full activation checkpointing (forward twice, backward once).
 
 from __future__ import annotations
 
-from upipe_dtensor.communication import layer_traffic
+from upipe_dtensor.planning.communication_volume import layer_traffic
 
 GiB = 2**30
-MODELS = {"Llama3-8B": dict(n_heads=32, n_kv_heads=8, head_dim=128),
-          "32B shape": dict(n_heads=64, n_kv_heads=8, head_dim=128)}
+MODELS = {
+    "Llama3-8B": dict(n_heads=32, n_kv_heads=8, head_dim=128),
+    "32B shape": dict(n_heads=64, n_kv_heads=8, head_dim=128),
+}
 # (model, method label, style, seq_len, cp, ring degree, heads per stage U)
 ROWS = [
     ("Llama3-8B", "UPipe (U = 8)", "upipe", 5 * 2**20, 8, 1, 8),
@@ -35,14 +37,27 @@ ROWS = [
 
 
 def main() -> None:
-    print("| model | method | tokens | GPUs | all-to-all, GiB | ring, GiB | what crosses nodes (8 GPUs each) |")
+    print(
+        "| model | method | tokens | GPUs | all-to-all, GiB | ring, GiB | what crosses nodes (8 "
+        "GPUs each) |"
+    )
     print("|---|---|---:|---:|---:|---:|---|")
     for model, label, style, seq_len, cp, ring, u in ROWS:
-        traffic = layer_traffic(style, seq_len=seq_len, batch=1, cp=cp, ring_degree=ring,
-                                heads_per_stage=u, dtype_bytes=2, **MODELS[model])
+        traffic = layer_traffic(
+            style,
+            seq_len=seq_len,
+            batch=1,
+            cp=cp,
+            ring_degree=ring,
+            heads_per_stage=u,
+            dtype_bytes=2,
+            **MODELS[model],
+        )
         all_to_all, ring_bytes = traffic.per_step()
-        print(f"| {model} | {label} | {seq_len / 2**20:.0f}M | {cp} | {all_to_all / GiB:.2f} | "
-              f"{ring_bytes / GiB:.2f} | {_across_nodes(style, cp, ring)} |")
+        print(
+            f"| {model} | {label} | {seq_len / 2**20:.0f}M | {cp} | {all_to_all / GiB:.2f} | "
+            f"{ring_bytes / GiB:.2f} | {_across_nodes(style, cp, ring)} |"
+        )
 
 
 def _across_nodes(style: str, cp: int, ring: int) -> str:

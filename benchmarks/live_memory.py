@@ -24,12 +24,19 @@ import torch.multiprocessing as mp
 from torch._C._profiler import _EventType, _ProfilerEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from upipe_dtensor.errors import end_process
+from upipe_dtensor.runtime.errors import end_process
 
 MiB = 2**20
 # Ops that only allocate: an allocation is labelled by the op that called them instead.
-_ALLOC_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-              "aten::zeros", "aten::zeros_like", "aten::new_empty_strided"}
+_ALLOC_OPS = {
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::new_empty",
+    "aten::zeros",
+    "aten::zeros_like",
+    "aten::new_empty_strided",
+}
 _AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 # Python files whose frames label an allocation (the innermost one on its stack).
 CODE_OF_INTEREST = re.compile(r"upipe_dtensor|torch/nn/modules|attention_memory|live_memory")
@@ -65,7 +72,7 @@ def _origin(event: _ProfilerEvent, code: re.Pattern[str]) -> tuple[str, int | No
     while node is not None:
         if node.tag == _EventType.TorchOp:
             if node.name.startswith(_AUTOGRAD_NODE):
-                return f"autograd {node.name[len(_AUTOGRAD_NODE):]}: {op}", node.end_time_ns
+                return f"autograd {node.name[len(_AUTOGRAD_NODE) :]}: {op}", node.end_time_ns
             if op == "?" or op in _ALLOC_OPS:
                 op = node.name
         elif node.tag == _EventType.PyCall and code.search(node.name):
@@ -74,8 +81,9 @@ def _origin(event: _ProfilerEvent, code: re.Pattern[str]) -> tuple[str, int | No
     return f"?: {op}", None
 
 
-def allocations(prof: profile, alive: set[int], code: re.Pattern[str] = CODE_OF_INTEREST
-                ) -> tuple[list[Allocation], int]:
+def allocations(
+    prof: profile, alive: set[int], code: re.Pattern[str] = CODE_OF_INTEREST
+) -> tuple[list[Allocation], int]:
     """Every CPU allocation and free in time order, with the frees the profiler missed put back,
     each allocation labelled by the innermost frame of a file that ``code`` matches.
 
@@ -177,8 +185,9 @@ def region_memory(events: list[Allocation], start: int, end: int) -> RegionMemor
 
 def profiler() -> profile:
     """A CPU profiler recording allocations, with the Python stacks that label them."""
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                   with_stack=True)
+    return profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    )
 
 
 def _freed_by_another_thread(nbytes: int) -> threading.Thread:
@@ -204,12 +213,16 @@ def check_tracker() -> None:
     events, put_back = allocations(prof, alive=set())
     result = region_memory(events, *region(prof, _CHECK))
     if (result.peak_bytes, result.end_bytes, put_back) != (5 * MiB, 0, 1):
-        raise RuntimeError(f"memory tracker is off: peak {result.peak_bytes}, end "
-                           f"{result.end_bytes}, frees put back {put_back}; expected "
-                           f"{5 * MiB}, 0, 1")
+        raise RuntimeError(
+            f"memory tracker is off: peak {result.peak_bytes}, end "
+            f"{result.end_bytes}, frees put back {put_back}; expected "
+            f"{5 * MiB}, 0, 1"
+        )
 
 
-def _gloo_rank(rank: int, world_size: int, store: str, result_path: str, measure_rank, args) -> None:
+def _gloo_rank(
+    rank: int, world_size: int, store: str, result_path: str, measure_rank, args
+) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
@@ -228,7 +241,11 @@ def on_gloo_ranks(world_size: int, measure_rank, *args):
     and return rank 0's result, which must be JSON-serialisable."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
-        mp.spawn(_gloo_rank, args=(world_size, os.path.join(tmp, "store"), result_path,
-                                   measure_rank, args), nprocs=world_size, join=True)
+        mp.spawn(
+            _gloo_rank,
+            args=(world_size, os.path.join(tmp, "store"), result_path, measure_rank, args),
+            nprocs=world_size,
+            join=True,
+        )
         with open(result_path) as f:
             return json.load(f)

@@ -32,13 +32,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from live_memory import (
+    CODE_OF_INTEREST,
+    MiB,
+    RegionMemory,
+    allocations,
+    check_tracker,
+    on_gloo_ranks,
+    profiler,
+    region,
+    region_memory,
+)
 from torch.profiler import record_function
 
-from live_memory import (CODE_OF_INTEREST, MiB, RegionMemory, allocations, check_tracker,
-                         on_gloo_ranks, profiler, region, region_memory)
 from upipe_dtensor.config import parse_args
+from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.models import build_llama3
-from upipe_dtensor.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 STEP, FORWARD = "bench::step", "bench::forward"
@@ -80,8 +89,12 @@ def configurations(setup: Setup) -> dict[str, list[str]]:
     offload = [*checkpoint, "--activation_checkpoint.cpu_offload", "true"]
     tiled = ["--memory.tiled_mlp", "true", "--memory.mlp_tile_tokens", str(setup.mlp_tile_tokens)]
     norm = ["--memory.tiled_rms_norm", "true"]
-    chunked = ["--memory.chunked_loss", "true",
-               "--memory.loss_chunk_tokens", str(setup.loss_chunk_tokens)]
+    chunked = [
+        "--memory.chunked_loss",
+        "true",
+        "--memory.loss_chunk_tokens",
+        str(setup.loss_chunk_tokens),
+    ]
     return {
         "plain": [],
         "+checkpoint": checkpoint,
@@ -97,15 +110,24 @@ def _job(setup: Setup, dump_folder: str, overrides: list[str]) -> list[str]:
     """Command line of the debug job at this sequence length, with absolute asset paths so the
     script runs from any directory."""
     return [
-        "--config", str(REPO / "train_configs/debug_model.toml"),
-        "--job.dump_folder", dump_folder,
-        "--model.tokenizer_path", str(REPO / "assets/tokenizer"),
-        "--training.dataset_path", str(REPO / "assets/corpus"),
-        "--training.seq_len", str(setup.seq_len),
-        "--training.local_batch_size", str(setup.batch),
-        "--parallelism.context_parallel_degree", str(setup.cp),
-        "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false",
+        "--config",
+        str(REPO / "recipes/debug_model.toml"),
+        "--job.dump_folder",
+        dump_folder,
+        "--model.tokenizer_path",
+        str(REPO / "assets/tokenizer"),
+        "--training.dataset_path",
+        str(REPO / "assets/corpus"),
+        "--training.seq_len",
+        str(setup.seq_len),
+        "--training.local_batch_size",
+        str(setup.batch),
+        "--parallelism.context_parallel_degree",
+        str(setup.cp),
+        "--checkpoint.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
         *overrides,
     ]
 
@@ -137,22 +159,34 @@ def measure(setup: Setup, name: str, overrides: list[str], dump_folder: str) -> 
     params = list(trainer.model.parameters())
     alive = _storages(loss, *params, *(p.grad for p in params))
     events, put_back = allocations(prof, alive, CODE)
-    mine = (region_memory(events, *region(prof, STEP)),
-            region_memory(events, *region(prof, FORWARD)).end_bytes,
-            trainer.host_offload.peak_host_bytes if trainer.host_offload else None, put_back)
+    mine = (
+        region_memory(events, *region(prof, STEP)),
+        region_memory(events, *region(prof, FORWARD)).end_bytes,
+        trainer.host_offload.peak_host_bytes if trainer.host_offload else None,
+        put_back,
+    )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     step: RegionMemory = max((g[0] for g in gathered), key=lambda m: m.peak_bytes)
     hosts = [g[2] for g in gathered if g[2] is not None]
-    return Row(name, overrides, step.peak_bytes, max(g[1] for g in gathered),
-               max(hosts) if hosts else None, step.live_at_peak, max(g[3] for g in gathered))
+    return Row(
+        name,
+        overrides,
+        step.peak_bytes,
+        max(g[1] for g in gathered),
+        max(hosts) if hosts else None,
+        step.live_at_peak,
+        max(g[3] for g in gathered),
+    )
 
 
 def _rank_rows(rank: int, setup: Setup) -> list[dict]:
     """One CP rank: every configuration in turn, each with a fresh Trainer."""
     with tempfile.TemporaryDirectory() as dump_folder:
-        return [asdict(measure(setup, name, overrides, dump_folder))
-                for name, overrides in configurations(setup).items()]
+        return [
+            asdict(measure(setup, name, overrides, dump_folder))
+            for name, overrides in configurations(setup).items()
+        ]
 
 
 def run(setup: Setup) -> list[Row]:
@@ -174,33 +208,45 @@ def reference_sizes(setup: Setup) -> dict[str, int]:
         f"hidden state h (N x D = {tokens} x {args.dim})": tokens * args.dim * 4,
         f"MLP hidden (N x F, F = {hidden})": tokens * hidden * 4,
         f"logits (N x V, V = {args.vocab_size})": tokens * args.vocab_size * 4,
-        f"one loss chunk's logits ({setup.loss_chunk_tokens} x V)":
-            min(tokens, setup.loss_chunk_tokens) * args.vocab_size * 4,
+        f"one loss chunk's logits ({setup.loss_chunk_tokens} x V)": min(
+            tokens, setup.loss_chunk_tokens
+        )
+        * args.vocab_size
+        * 4,
     }
 
 
 def print_report(setup: Setup, rows: list[Row], breakdown: int, seconds: float) -> None:
     plain = rows[0]
-    print(f"One training step (forward + backward, after a warm-up step) of the debugmodel Llama3, "
-          f"C={setup.cp} gloo ranks (UPipe + FSDP2), B={setup.batch}, S={setup.seq_len} "
-          f"({setup.seq_len // setup.cp} per rank), float32.\nMiB of live CPU allocations above "
-          f"the level at the step's start, max over ranks.\n")
-    header = (f"{'configuration':<26}{'peak MiB':>10}{'vs plain':>10}{'fwd kept':>10}"
-              f"{'host MiB':>10}")
+    print(
+        f"One training step (forward + backward, after a warm-up step) of the debugmodel Llama3, "
+        f"C={setup.cp} gloo ranks (UPipe + FSDP2), B={setup.batch}, S={setup.seq_len} "
+        f"({setup.seq_len // setup.cp} per rank), float32.\nMiB of live CPU allocations above "
+        f"the level at the step's start, max over ranks.\n"
+    )
+    header = (
+        f"{'configuration':<26}{'peak MiB':>10}{'vs plain':>10}{'fwd kept':>10}{'host MiB':>10}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
         host = f"{row.host_offload / MiB:>10.2f}" if row.host_offload is not None else f"{'-':>10}"
-        print(f"{row.name:<26}{row.peak / MiB:>10.2f}{row.peak / plain.peak:>10.2f}"
-              f"{row.forward_kept / MiB:>10.2f}{host}")
-    print("\nfwd kept: live when forward returns (what backward holds on to).\n"
-          "host MiB: HostOffload's peak_host_bytes. On CPU, host memory is this same memory: the "
-          "pooled host\nbuffers are allocated in the warm-up step and kept across steps, so they "
-          "are in the level at the\nstep's start, outside the peak. The offload moves bytes out "
-          "of the step's working set; it does not\nshrink the process. The memory planner shows "
-          "the device/host split on fake CUDA.")
-    print(f"Frees missed by the profiler (gloo worker thread) and put back, max per row: "
-          f"{', '.join(str(r.frees_put_back) for r in rows)}.\nReference sizes per rank:")
+        print(
+            f"{row.name:<26}{row.peak / MiB:>10.2f}{row.peak / plain.peak:>10.2f}"
+            f"{row.forward_kept / MiB:>10.2f}{host}"
+        )
+    print(
+        "\nfwd kept: live when forward returns (what backward holds on to).\n"
+        "host MiB: HostOffload's peak_host_bytes. On CPU, host memory is this same memory: the "
+        "pooled host\nbuffers are allocated in the warm-up step and kept across steps, so they "
+        "are in the level at the\nstep's start, outside the peak. The offload moves bytes out "
+        "of the step's working set; it does not\nshrink the process. The memory planner shows "
+        "the device/host split on fake CUDA."
+    )
+    print(
+        f"Frees missed by the profiler (gloo worker thread) and put back, max per row: "
+        f"{', '.join(str(r.frees_put_back) for r in rows)}.\nReference sizes per rank:"
+    )
     for name, nbytes in reference_sizes(setup).items():
         print(f"  {name:<44}{nbytes / MiB:>8.2f} MiB")
     if breakdown:
@@ -217,12 +263,22 @@ def parse_cli() -> tuple[Setup, argparse.Namespace]:
     parser.add_argument("--cp", type=int, default=2, help="context-parallel degree C (processes)")
     parser.add_argument("--seq-len", type=int, default=8192, help="total sequence length S")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--mlp-tile-tokens", type=int, default=0,
-                        help="tokens per tiled-MLP tile (0: the model width)")
-    parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
-                        help="tokens per chunked-loss chunk")
-    parser.add_argument("--breakdown", type=int, default=3, metavar="N",
-                        help="print the N largest origins of live bytes at each peak (0: none)")
+    parser.add_argument(
+        "--mlp-tile-tokens",
+        type=int,
+        default=0,
+        help="tokens per tiled-MLP tile (0: the model width)",
+    )
+    parser.add_argument(
+        "--loss-chunk-tokens", type=int, default=1024, help="tokens per chunked-loss chunk"
+    )
+    parser.add_argument(
+        "--breakdown",
+        type=int,
+        default=3,
+        metavar="N",
+        help="print the N largest origins of live bytes at each peak (0: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON instead")
     args = parser.parse_args()
     if args.seq_len % args.cp:
@@ -238,8 +294,16 @@ def main() -> None:
     rows = run(setup)
     seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps({"setup": asdict(setup), "reference_bytes": reference_sizes(setup),
-                          "rows": [asdict(r) for r in rows]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "setup": asdict(setup),
+                    "reference_bytes": reference_sizes(setup),
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
     else:
         print_report(setup, rows, args.breakdown, seconds)
 

@@ -25,9 +25,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 VOCAB_SIZE = 2048
 # Packages that are tests, GUI demos or generated tables rather than documented library code.
-SKIP_TOP_LEVEL = {"test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip",
-                  "site-packages", "encodings", "pydoc_data"}
-MIN_DOC_CHARS = 1500      # modules with less prose than this are mostly one-liners
+SKIP_TOP_LEVEL = {
+    "test",
+    "idlelib",
+    "lib2to3",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "site-packages",
+    "encodings",
+    "pydoc_data",
+}
+MIN_DOC_CHARS = 1500  # modules with less prose than this are mostly one-liners
 CORPUS_BUDGET = 1_000_000  # characters; keeps the shipped assets small
 N_TXT_FILES = 3
 
@@ -94,16 +103,24 @@ def train_tokenizer(texts: list[str], out: Path) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     if tokenizer.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"trained {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-              "add_bos_token": False, "add_eos_token": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
     config_text = json.dumps(config, indent=2) + "\n"
     (out / "tokenizer_config.json").write_text(config_text, encoding="utf-8")
     return tokenizer
@@ -128,8 +145,7 @@ def write_readme(out: Path, documents: list[tuple[str, str]], n_tokens: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "assets")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "assets")
     args = parser.parse_args()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     documents = within_budget(module_documents(stdlib), CORPUS_BUDGET)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torch.distributed.device_mesh import init_device_mesh
+from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
-from upipe_dtensor.errors import end_process
+from upipe_dtensor.runtime.errors import end_process
 
 VOCAB = 64
 
@@ -130,11 +130,15 @@ def make_style(case: dict):
     if style == "ring":
         return RingAttention()
     chunk_tokens = math.ceil(case["seq_len"] / case["chunks"])
-    return FPDTAttention(chunk_tokens=chunk_tokens, heads_per_stage=u)
+    if u is None:
+        return FPDTAttention(chunk_tokens=chunk_tokens)
+    return UPipeAttention(heads_per_stage=u, chunk_tokens=chunk_tokens)  # UPipe x FPDT
 
 
 def cp_mesh(case: dict, cp: int):
     """A 1-D cp mesh, or the (cp_ring, cp_heads) mesh for a case with a "ring" degree."""
     if "ring" in case:
-        return init_device_mesh("cpu", (case["ring"], cp // case["ring"]), mesh_dim_names=("cp_ring", "cp_heads"))
+        return init_device_mesh(
+            "cpu", (case["ring"], cp // case["ring"]), mesh_dim_names=("cp_ring", "cp_heads")
+        )
     return init_device_mesh("cpu", (cp,))

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import rel_err
 from torch.profiler import ProfilerActivity, profile
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
-from harness import rel_err
 from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
+
+pytestmark = pytest.mark.unit
 
 FP32_TOL = 1e-5
 IGNORE = -100
@@ -52,7 +54,9 @@ def loss_and_grads(
     return loss.detach(), h.grad, weight.grad
 
 
-def chunked(chunk_tokens: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def chunked(
+    chunk_tokens: int,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     return lambda h, w, y: chunked_cross_entropy_sum(h, w, y, chunk_tokens=chunk_tokens)
 
 
@@ -144,6 +148,7 @@ def test_accumulates_across_calls() -> None:
     def two_halves(fn):
         def loss(h, w, y):
             return fn(h[:1], w, y[:1]) * 0.5 + fn(h[1:], w, y[1:]) * 2.0
+
         return loss
 
     expected = loss_and_grads(two_halves(plain_loss), h, weight, labels)
@@ -258,11 +263,15 @@ def test_memory_peak_below_plain_logits() -> None:
         def step():
             fn(h, weight, labels).backward()
             h.grad = weight.grad = None
+
         return step
 
     plain_peak = peak_allocated_bytes(run(plain_loss))
     chunked_peak = peak_allocated_bytes(run(chunked(256)))
-    print(f"peak extra memory: plain {plain_peak / 2**20:.1f} MiB, chunked {chunked_peak / 2**20:.1f} MiB")
+    print(
+        f"peak extra memory: plain {plain_peak / 2**20:.1f} MiB, chunked "
+        f"{chunked_peak / 2**20:.1f} MiB"
+    )
     assert plain_peak >= 2 * logits_bytes  # the measurement sees the plain path's logits
     assert chunked_peak < logits_bytes / 4  # less than a quarter of one full logits tensor
     assert chunked_peak * 8 < plain_peak

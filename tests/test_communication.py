@@ -1,24 +1,29 @@
 """Communication per layer: K/V travel once per KV block, not once per stage; the all-to-all is
-exact; and every style sends exactly the bytes ``upipe_dtensor.communication`` says it does."""
+exact; and every style sends exactly the bytes ``upipe_dtensor.planning.communication_volume`` says
+it does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from harness import VOCAB, cp_mesh, make_style, rel_err, run_on_ranks, shard, tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from harness import VOCAB, cp_mesh, make_style, rel_err, run_on_ranks, shard, tiny_llama
 from upipe_dtensor import UPipeAttention
-from upipe_dtensor.communication import layer_traffic
 from upipe_dtensor.parallel import all_to_all
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
+from upipe_dtensor.planning.communication_volume import layer_traffic
+
+pytestmark = pytest.mark.distributed
 
 
 def _count_all_to_alls(rank: int, cp: int, n_heads: int, n_kv: int, expected: dict) -> None:
     model = tiny_llama(n_heads, n_kv, seq_len=4 * cp, n_layers=1)
-    parallelize_module(model, init_device_mesh("cpu", (cp,)), {"layers.*.attention": UPipeAttention()})
+    parallelize_module(
+        model, init_device_mesh("cpu", (cp,)), {"layers.*.attention": UPipeAttention()}
+    )
     calls = []
     real = dist.all_to_all_single
 
@@ -65,7 +70,9 @@ def _round_trip(rank: int, cp: int) -> None:
     x = local.clone().requires_grad_()
     weight = torch.randn_like(heads)
     fn = torch.compile(
-        lambda t: (all_to_all.seq_to_head(t, name, cp) * weight).sum(), fullgraph=True, backend="aot_eager"
+        lambda t: (all_to_all.seq_to_head(t, name, cp) * weight).sum(),
+        fullgraph=True,
+        backend="aot_eager",
     )
     fn(x).backward()
     assert rel_err(x.grad, all_to_all.heads_to_sequence(weight, group, cp)) == 0.0
@@ -80,10 +87,17 @@ TRAFFIC_SEQ, TRAFFIC_BATCH, HEAD_DIM = 48, 2, 8
 
 
 def _traffic_cases(cp: int) -> list[dict]:
-    cases = [dict(style="upipe", n_heads=8, n_kv=2), dict(style="ulysses", n_heads=8, n_kv=2),
-             dict(style="ring", n_heads=4, n_kv=1), dict(style="fpdt", n_heads=8, n_kv=4, chunks=3)]
+    cases = [
+        dict(style="upipe", n_heads=8, n_kv=2),
+        dict(style="ulysses", n_heads=8, n_kv=2),
+        dict(style="ring", n_heads=4, n_kv=1),
+        dict(style="fpdt", n_heads=8, n_kv=4, chunks=3),
+    ]
     if cp == 4:
-        cases += [dict(style="upipe2d", ring=2, n_heads=8, n_kv=2), dict(style="ulysses2d", ring=2, n_heads=8, n_kv=8)]
+        cases += [
+            dict(style="upipe2d", ring=2, n_heads=8, n_kv=2),
+            dict(style="ulysses2d", ring=2, n_heads=8, n_kv=8),
+        ]
     return [c | dict(seq_len=TRAFFIC_SEQ) for c in cases]
 
 
@@ -103,7 +117,9 @@ def _count_bytes(rank: int, cp: int) -> None:
 
     failures = []
     for case in _traffic_cases(cp):
-        model = tiny_llama(case["n_heads"], case["n_kv"], TRAFFIC_SEQ, head_dim=HEAD_DIM, n_layers=1)
+        model = tiny_llama(
+            case["n_heads"], case["n_kv"], TRAFFIC_SEQ, head_dim=HEAD_DIM, n_layers=1
+        )
         style = make_style(case)
         parallelize_module(model, cp_mesh(case, cp), {"layers.*.attention": style})
         tokens = shard(torch.randint(0, VOCAB, (TRAFFIC_BATCH, TRAFFIC_SEQ)), rank, cp, style)
@@ -118,15 +134,28 @@ def _count_bytes(rank: int, cp: int) -> None:
         finally:
             dist.all_to_all_single, dist.batch_isend_irecv = real_a2a, real_batch
         ring = case.get("ring", 1)
-        u = case.get("u") or (cp // ring if case["style"] in ("upipe", "upipe2d") else case["n_heads"])
+        u = case.get("u") or (
+            cp // ring if case["style"] in ("upipe", "upipe2d") else case["n_heads"]
+        )
         expected = layer_traffic(
-            case["style"].removesuffix("2d"), seq_len=TRAFFIC_SEQ, batch=TRAFFIC_BATCH, cp=cp,
-            ring_degree=ring, n_heads=case["n_heads"], n_kv_heads=case["n_kv"], head_dim=HEAD_DIM,
-            heads_per_stage=u, dtype_bytes=4,
+            case["style"].removesuffix("2d"),
+            seq_len=TRAFFIC_SEQ,
+            batch=TRAFFIC_BATCH,
+            cp=cp,
+            ring_degree=ring,
+            n_heads=case["n_heads"],
+            n_kv_heads=case["n_kv"],
+            head_dim=HEAD_DIM,
+            heads_per_stage=u,
+            dtype_bytes=4,
         )
         counted = (forward["a2a"], backward["a2a"], forward["p2p"], backward["p2p"])
-        formula = (expected.forward_all_to_all, expected.backward_all_to_all,
-                   expected.forward_ring, expected.backward_ring)
+        formula = (
+            expected.forward_all_to_all,
+            expected.backward_all_to_all,
+            expected.forward_ring,
+            expected.backward_ring,
+        )
         if counted != formula:
             failures.append(f"{case}: counted {counted} != formula {formula}")
     assert not failures, "\n".join(failures)

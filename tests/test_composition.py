@@ -11,10 +11,21 @@ import copy
 
 import pytest
 import torch
+from harness import (
+    VOCAB,
+    cp_mesh,
+    gather_sequence,
+    make_style,
+    rel_err,
+    run_on_ranks,
+    shard,
+    summed_grads,
+    tiny_llama,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from harness import VOCAB, cp_mesh, gather_sequence, make_style, rel_err, run_on_ranks, shard, summed_grads, tiny_llama
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 SEQ_LEN = 16

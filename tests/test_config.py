@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-import importlib.util
-
 import torch.distributed as dist
-
 from harness import run_on_ranks
+
 from upipe_dtensor.config import ConfigError, check_job, load_config, parse_args
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def _write(tmp_path: Path, name: str, text: str) -> str:
 
 
 def test_debug_config_is_valid() -> None:
-    config = parse_args(["--config", str(REPO / "train_configs/debug_model.toml")])
+    config = parse_args(["--config", str(REPO / "recipes/debug_model.toml")])
     assert config.parallelism.context_parallel_degree == 2
     assert check_job(config, world_size=2) == 1
 
@@ -43,12 +43,26 @@ def test_extends_and_overrides(tmp_path: Path) -> None:
     [
         ("[trainng]\nsteps = 1\n", r"job.toml: unknown section \[trainng\]"),
         ("[training]\nstepz = 1\n", r"job.toml: unknown key \[training\] stepz; known keys"),
-        ('[training]\nsteps = "ten"\n', r"job.toml: \[training\] steps = 'ten' should be of type int"),
-        ('[parallelism]\ncp_style = "zigzag"\n', r"cp_style = 'zigzag' is not one of \['upipe', 'ulysses', 'ring', 'fpdt'\]"),
+        (
+            '[training]\nsteps = "ten"\n',
+            r"job.toml: \[training\] steps = 'ten' should be of type int",
+        ),
+        (
+            '[parallelism]\ncp_style = "zigzag"\n',
+            r"cp_style = 'zigzag' is not one of \['upipe', 'ulysses', 'ring', 'fpdt'\]",
+        ),
         ("[training\nsteps = 1\n", r"job.toml: invalid TOML"),
         ('extends = "job.toml"\n', r"'extends' cycle"),
-        ('extends = "missing.toml"\n', r"job.toml: extends = 'missing.toml', but the config file .*missing.toml does not exist"),
-        ('[training]\nseq_len = "256"\n', r"job.toml: \[training\] seq_len = '256' should be of type int; write it without quotes"),
+        (
+            'extends = "missing.toml"\n',
+            r"job.toml: extends = 'missing.toml', but the config file .*missing.toml does not "
+            r"exist",
+        ),
+        (
+            '[training]\nseq_len = "256"\n',
+            r"job.toml: \[training\] seq_len = '256' should be of type int; write it without "
+            r"quotes",
+        ),
         ("[training]\nseq_len = 256.0\n", r"seq_len = 256.0 should be of type int"),
     ],
 )
@@ -60,18 +74,69 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
 @pytest.mark.parametrize(
     "overrides,world,message",
     [
-        (["--training.seq_len", "63"], 2, r"seq_len = 63 is not divisible by context_parallel_degree = 2"),
+        (
+            ["--training.seq_len", "63"],
+            2,
+            r"seq_len = 63 is not divisible by context_parallel_degree = 2",
+        ),
         ([], 3, r"context_parallel_degree = 2 does not divide the 3 launched processes"),
-        (["--parallelism.data_parallel_shard_degree", "2"], 2, r"2 x context_parallel_degree 2 = 4 != 2"),
-        (["--parallelism.heads_per_stage", "3"], 2, r"n_heads=8 is not divisible by heads_per_stage=3"),
-        (["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "4"], 2, "heads_per_stage does not apply to cp_style 'ulysses'"),
-        (["--parallelism.cp_style", "ring", "--parallelism.ring_degree", "2"], 2, "'ring' is already a ring over all C ranks"),
-        (["--parallelism.ring_degree", "3"], 2, r"ring_degree = 3 must divide context_parallel_degree = 2; use one of \[1, 2\]"),
-        (["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "1"], 2, "chunk_tokens 1 is smaller than the cp degree 2"),
-        (["--parallelism.cp_style", "fpdt", "--parallelism.heads_per_stage", "2"], 2, "for UPipe x FPDT use cp_style = 'upipe' with fpdt_chunk_tokens > 0"),
-        (["--parallelism.fpdt_chunk_tokens", "64", "--parallelism.ring_degree", "2"], 2, "fpdt_chunk_tokens .* and ring_degree > 1 cannot be combined"),
-        (["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0", "--parallelism.fpdt_chunk_tokens", "64"], 2, "fpdt_chunk_tokens applies to cp_style 'fpdt' and 'upipe'"),
-        (["--parallelism.context_parallel_degree", "16", "--training.seq_len", "512"], 16, "n_heads=8 is not divisible by the cp degree 16"),
+        (
+            ["--parallelism.data_parallel_shard_degree", "2"],
+            2,
+            r"2 x context_parallel_degree 2 = 4 != 2",
+        ),
+        (
+            ["--parallelism.heads_per_stage", "3"],
+            2,
+            r"n_heads=8 is not divisible by heads_per_stage=3",
+        ),
+        (
+            ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "4"],
+            2,
+            "heads_per_stage does not apply to cp_style 'ulysses'",
+        ),
+        (
+            ["--parallelism.cp_style", "ring", "--parallelism.ring_degree", "2"],
+            2,
+            "'ring' is already a ring over all C ranks",
+        ),
+        (
+            ["--parallelism.ring_degree", "3"],
+            2,
+            r"ring_degree = 3 must divide context_parallel_degree = 2; use one of \[1, 2\]",
+        ),
+        (
+            ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "1"],
+            2,
+            "chunk_tokens 1 is smaller than the cp degree 2",
+        ),
+        (
+            ["--parallelism.cp_style", "fpdt", "--parallelism.heads_per_stage", "2"],
+            2,
+            "for UPipe x FPDT use cp_style = 'upipe' with fpdt_chunk_tokens > 0",
+        ),
+        (
+            ["--parallelism.fpdt_chunk_tokens", "64", "--parallelism.ring_degree", "2"],
+            2,
+            "fpdt_chunk_tokens .* and ring_degree > 1 cannot be combined",
+        ),
+        (
+            [
+                "--parallelism.cp_style",
+                "ring",
+                "--parallelism.heads_per_stage",
+                "0",
+                "--parallelism.fpdt_chunk_tokens",
+                "64",
+            ],
+            2,
+            "fpdt_chunk_tokens applies to cp_style 'fpdt' and 'upipe'",
+        ),
+        (
+            ["--parallelism.context_parallel_degree", "16", "--training.seq_len", "512"],
+            16,
+            "n_heads=8 is not divisible by the cp degree 16",
+        ),
         (["--model.flavor", "70B"], 2, r"flavor = '70B' is unknown"),
         (["--training.dataset_path", "nowhere"], 2, r"dataset_path = 'nowhere' does not exist"),
         (["--training.steps", "0"], 2, r"\[training\] steps = 0 must be >= 1"),
@@ -84,15 +149,24 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
 )
 def test_impossible_combinations(overrides: list[str], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        check_job(parse_args(["--config", str(REPO / "train_configs/debug_model.toml"), *overrides]), world)
+        check_job(
+            parse_args(["--config", str(REPO / "recipes/debug_model.toml"), *overrides]), world
+        )
 
 
 def test_train_py_fails_fast_without_process_group(tmp_path: Path) -> None:
     """A bad file stops train.py with exit code 2 and the message, before any process group."""
-    job = _write(tmp_path, "job.toml", "[training]\nseq_len = 63\n[parallelism]\ncontext_parallel_degree = 2\n")
+    job = _write(
+        tmp_path,
+        "job.toml",
+        "[training]\nseq_len = 63\n[parallelism]\ncontext_parallel_degree = 2\n",
+    )
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--config", job],
-        capture_output=True, text=True, cwd=REPO, env={"RANK": "0", "WORLD_SIZE": "2", "PATH": ""},
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"RANK": "0", "WORLD_SIZE": "2", "PATH": ""},
         timeout=120,
     )
     assert result.returncode == 2
@@ -106,9 +180,12 @@ def test_config_folder_is_not_a_file(tmp_path: Path) -> None:
 
 
 def test_errors_blame_where_the_value_was_written(tmp_path: Path) -> None:
-    """A value from the command line is the command line's fault, one from a base file the base's."""
+    """A value from the command line is the command line's fault, one from a base file the
+    base's."""
     base = _write(tmp_path, "base.toml", "[training]\nseq_len = 63\n")
-    job = _write(tmp_path, "job.toml", 'extends = "base.toml"\n[parallelism]\ncontext_parallel_degree = 2\n')
+    job = _write(
+        tmp_path, "job.toml", 'extends = "base.toml"\n[parallelism]\ncontext_parallel_degree = 2\n'
+    )
     with pytest.raises(ConfigError, match=rf"^{base} and {job}: \[training\] seq_len = 63 is not"):
         check_job(load_config(job), 2)
     with pytest.raises(ConfigError, match=rf"^command line and {job}: \[training\] seq_len = 65"):
@@ -135,27 +212,40 @@ def test_train_py_help_no_config_and_no_torchrun(capsys, monkeypatch) -> None:
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    debug = str(REPO / "train_configs/debug_model.toml")
+    debug = str(REPO / "recipes/debug_model.toml")
     assert train.main(["--config", debug]) == 2
     processes = parse_args(["--config", debug]).parallelism.context_parallel_degree
-    assert f"run torchrun --nproc_per_node {processes} train.py --config {debug}" in capsys.readouterr().err
+    assert (
+        f"run torchrun --nproc_per_node {processes} train.py --config {debug}"
+        in capsys.readouterr().err
+    )
     assert not dist.is_initialized()
 
 
 def test_tokenizer_folder_without_tokenizer_json_is_a_config_error(tmp_path: Path) -> None:
-    from upipe_dtensor.trainer import Trainer
+    from upipe_dtensor.jobs.trainer import Trainer
 
-    config = parse_args(["--config", str(REPO / "train_configs/debug_model.toml"),
-                         "--parallelism.context_parallel_degree", "1",
-                         "--model.tokenizer_path", str(tmp_path)])
-    with pytest.raises(ConfigError, match=rf"command line: \[model\] tokenizer_path: no tokenizer.json at '{tmp_path}'"):
+    config = parse_args(
+        [
+            "--config",
+            str(REPO / "recipes/debug_model.toml"),
+            "--parallelism.context_parallel_degree",
+            "1",
+            "--model.tokenizer_path",
+            str(tmp_path),
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"command line: \[model\] tokenizer_path: no tokenizer.json at '{tmp_path}'",
+    ):
         Trainer(config)
     assert not dist.is_initialized()  # found before any process group
 
 
 def _bad_jobs_fail_before_the_model(rank: int, world: int, tmp: str) -> None:
     """Each case is a ConfigError on every rank (also one only rank 1 sees), before the model."""
-    import upipe_dtensor.trainer as trainer_module
+    import upipe_dtensor.jobs.trainer as trainer_module
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built")
@@ -167,12 +257,23 @@ def _bad_jobs_fail_before_the_model(rank: int, world: int, tmp: str) -> None:
         one_document.write_text("the only document")
         blank.write_text(" \n\f\t\n")
     dist.barrier()
-    base = ["--config", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "64",
-            "--parallelism.context_parallel_degree", "1", "--job.dump_folder", f"{tmp}/job"]
+    base = [
+        "--config",
+        str(REPO / "recipes/debug_model.toml"),
+        "--training.seq_len",
+        "64",
+        "--parallelism.context_parallel_degree",
+        "1",
+        "--job.dump_folder",
+        f"{tmp}/job",
+    ]
     cases = [
         (["--training.dataset_path", str(one_document)], "dp rank 1 of 2 gets none"),
         (["--training.dataset_path", str(blank)], "has 0 non-blank documents"),
-        (["--checkpoint.load_step", "7"], r"load_step = 7, but .*job/checkpoint has no step-7; available: none"),
+        (
+            ["--checkpoint.load_step", "7"],
+            r"load_step = 7, but .*job/checkpoint has no step-7; available: none",
+        ),
     ]
     for extra, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -13,7 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from upipe_dtensor.data import LocalDocuments, PackedTextLoader, build_tokenizer
+from upipe_dtensor.data.loader import LocalDocuments, PackedTextLoader, build_tokenizer
+
+pytestmark = pytest.mark.unit
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -25,8 +27,9 @@ def tokenizer():
 
 def _docs(n: int) -> list[str]:
     """Distinct documents of varied length, so windows cut through their middles."""
-    return [f"Document {i} says: " + "the quick brown fox jumps " * (1 + 7 * i % 5)
-            for i in range(n)]
+    return [
+        f"Document {i} says: " + "the quick brown fox jumps " * (1 + 7 * i % 5) for i in range(n)
+    ]
 
 
 def _write_jsonl(path: Path, docs: list[str]) -> Path:
@@ -35,8 +38,16 @@ def _write_jsonl(path: Path, docs: list[str]) -> Path:
 
 
 def _loader(tokenizer, path, **overrides) -> PackedTextLoader:
-    kwargs = dict(dataset="local", dataset_path=str(path), text_field="text", tokenizer=tokenizer,
-                  seq_len=16, batch_size=2, dp_rank=0, dp_world_size=1)
+    kwargs = dict(
+        dataset="local",
+        dataset_path=str(path),
+        text_field="text",
+        tokenizer=tokenizer,
+        seq_len=16,
+        batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+    )
     return PackedTextLoader(**(kwargs | overrides))
 
 
@@ -46,11 +57,16 @@ def _stream(tokenizer, docs: list[str]) -> list[int]:
 
 def _flat(batches) -> list[int]:
     """The token stream the batches were cut from (windows are consecutive, non-overlapping)."""
-    return [t for inputs, labels in batches for row_in, row_lab in zip(inputs, labels)
-            for t in [*row_in.tolist(), row_lab[-1].item()]]
+    return [
+        t
+        for inputs, labels in batches
+        for row_in, row_lab in zip(inputs, labels)
+        for t in [*row_in.tolist(), row_lab[-1].item()]
+    ]
 
 
 # --- shipped assets and tokenizer -----------------------------------------------------------------
+
 
 def test_shipped_tokenizer(tokenizer):
     assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (2048, 0, 1)
@@ -99,22 +115,30 @@ def test_build_tokenizer_errors(tmp_path, broken):
 
 # --- document readers -----------------------------------------------------------------------------
 
+
 def test_each_format_yields_its_documents_in_sorted_path_order(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "a.txt").write_text("  first doc\n\f\n\n\f second\ndoc  \n")  # blank part dropped
     (tmp_path / "b" / "c.txt").write_text("one whole file\n\nwith a blank line")
     (tmp_path / "b" / "d.jsonl").write_text(
-        '{"text": "json one", "x": 1}\n\n{"text": "   "}\n{"text": "json two"}\n')
+        '{"text": "json one", "x": 1}\n\n{"text": "   "}\n{"text": "json two"}\n'
+    )
     pq.write_table(pa.table({"text": ["pq one", "pq two"], "n": [1, 2]}), tmp_path / "e.parquet")
     (tmp_path / "notes.md").write_text("ignored: not a supported suffix")
     assert list(LocalDocuments(str(tmp_path), "text")) == [
-        "first doc", "second\ndoc", "one whole file\n\nwith a blank line",
-        "json one", "json two", "pq one", "pq two",
+        "first doc",
+        "second\ndoc",
+        "one whole file\n\nwith a blank line",
+        "json one",
+        "json two",
+        "pq one",
+        "pq two",
     ]
     assert list(LocalDocuments(str(tmp_path / "e.parquet"), "text")) == ["pq one", "pq two"]
 
 
 # --- packing --------------------------------------------------------------------------------------
+
 
 def test_windows_are_the_packed_stream_shifted_by_one(tokenizer, tmp_path):
     docs = _docs(7)
@@ -127,7 +151,7 @@ def test_windows_are_the_packed_stream_shifted_by_one(tokenizer, tmp_path):
     stream = _stream(tokenizer, docs)
     flat = _flat(batches)
     assert len(flat) > 2 * len(stream)  # the corpus came round twice, in the same order
-    assert flat == (stream * 3)[:len(flat)]
+    assert flat == (stream * 3)[: len(flat)]
     assert batches[0][0][0, 0] == tokenizer.bos_id
 
 
@@ -144,7 +168,7 @@ def test_dp_ranks_get_disjoint_documents_round_robin(tokenizer, tmp_path):
                 current = []
             elif t != tokenizer.bos_id:
                 current.append(t)
-        got = pieces[:len(docs[rank::3])]  # the first epoch; the stream starts over after it
+        got = pieces[: len(docs[rank::3])]  # the first epoch; the stream starts over after it
         assert got == docs[rank::3]
         seen.append(set(got))
     assert set.union(*seen) == set(docs) and sum(map(len, seen)) == len(docs)
@@ -152,13 +176,16 @@ def test_dp_ranks_get_disjoint_documents_round_robin(tokenizer, tmp_path):
 
 def test_loaders_of_one_dp_rank_agree(tokenizer):
     """Context-parallel ranks build their loaders independently; their batches must match."""
-    a, b = (_loader(tokenizer, ASSETS / "corpus", seq_len=512, dp_rank=1, dp_world_size=2)
-            for _ in range(2))
+    a, b = (
+        _loader(tokenizer, ASSETS / "corpus", seq_len=512, dp_rank=1, dp_world_size=2)
+        for _ in range(2)
+    )
     for (xa, ya), (xb, yb) in zip(itertools.islice(a, 5), itertools.islice(b, 5)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
 # --- resume ---------------------------------------------------------------------------------------
+
 
 class _CountingTokenizer:
     """Forwards to the real tokenizer and counts encode calls (resume must not re-tokenize)."""
@@ -217,6 +244,7 @@ def test_resume_refuses_another_dp_geometry(tokenizer):
 
 # --- Hugging Face datasets (mocked: no network here) ----------------------------------------------
 
+
 def test_hub_dataset_is_streamed(tokenizer, monkeypatch):
     import datasets
 
@@ -231,12 +259,13 @@ def test_hub_dataset_is_streamed(tokenizer, monkeypatch):
     loader = _loader(tokenizer, "", **hub, text_field="content", split="validation")
     assert calls == [("org/corpus", "validation", True)]
     flat = _flat(itertools.islice(loader, 10))
-    assert flat == _stream(tokenizer, _docs(5))[:len(flat)]
+    assert flat == _stream(tokenizer, _docs(5))[: len(flat)]
     with pytest.raises(ValueError, match="'org/corpus'.*example 0.*no field 'text'.*'content'"):
         next(iter(_loader(tokenizer, "", **hub)))
 
 
 # --- bad input ------------------------------------------------------------------------------------
+
 
 def _bad(tmp_path: Path, case: str) -> tuple[dict, str]:
     """Loader keyword overrides for one bad input, and the error it must raise when built."""
@@ -254,8 +283,10 @@ def _bad(tmp_path: Path, case: str) -> tuple[dict, str]:
         return {"dataset_path": str(bad)}, "holds no .txt/.jsonl/.parquet files"
     if case == "jsonl_field":
         _write_jsonl(bad / "d.jsonl", ["a"])
-        return ({"dataset_path": str(bad), "text_field": "body"},
-                r"d.jsonl:1: .*no field 'body'.*set text_field")
+        return (
+            {"dataset_path": str(bad), "text_field": "body"},
+            r"d.jsonl:1: .*no field 'body'.*set text_field",
+        )
     if case == "parquet_field":
         pq.write_table(pa.table({"content": ["a"]}), bad / "d.parquet")
         return {"dataset_path": str(bad)}, r"d.parquet has no column 'text'.*\['content'\]"
@@ -271,9 +302,21 @@ def _bad(tmp_path: Path, case: str) -> tuple[dict, str]:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty_path", "unsupported_file", "no_files",
-                                  "jsonl_field", "parquet_field", "bad_json", "seq_len",
-                                  "batch_size", "dp_rank"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "empty_path",
+        "unsupported_file",
+        "no_files",
+        "jsonl_field",
+        "parquet_field",
+        "bad_json",
+        "seq_len",
+        "batch_size",
+        "dp_rank",
+    ],
+)
 def test_bad_input_fails_at_construction(tokenizer, tmp_path, case):
     good = tmp_path / "good"
     good.mkdir()

@@ -3,15 +3,22 @@ document's input embeddings, under every CP style (2 gloo ranks, documents strad
 
 from __future__ import annotations
 
+import pytest
 import torch
-from torch.distributed.tensor.parallel import parallelize_module
-
 from harness import VOCAB, cp_mesh, gather_sequence, make_style, run_on_ranks, shard, tiny_llama
 from test_equivalence import document_ids
+from torch.distributed.tensor.parallel import parallelize_module
+
+pytestmark = pytest.mark.distributed
 
 SEQ_LEN = 16
-STYLES = [dict(style="upipe"), dict(style="ulysses"), dict(style="ring"),
-          dict(style="fpdt", chunks=2, seq_len=SEQ_LEN), dict(style="upipe2d", ring=2)]
+STYLES = [
+    dict(style="upipe"),
+    dict(style="ulysses"),
+    dict(style="ring"),
+    dict(style="fpdt", chunks=2, seq_len=SEQ_LEN),
+    dict(style="upipe2d", ring=2),
+]
 
 
 def _isolation(rank: int, cp: int) -> None:
@@ -23,7 +30,7 @@ def _isolation(rank: int, cp: int) -> None:
         style = make_style(case)
         parallelize_module(model, cp_mesh(case, cp), {"layers.*.attention": style})
         embeddings = []
-        model.tok_embeddings.register_forward_hook(lambda module, args, out: embeddings.append(out))
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: embeddings.append(out))  # noqa: B023 (used in this iteration)
         logits = model(shard(tokens, rank, cp, style), attention_masks=doc_ids)
         for document in range(int(doc_ids.max()) + 1):
             own = shard(doc_ids, rank, cp, style) == document  # this rank's tokens of the document

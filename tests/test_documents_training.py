@@ -9,52 +9,76 @@ import json
 from pathlib import Path
 
 import pytest
-
 from harness import run_on_ranks
+
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.planner import CudaAllowances, document_metadata_bytes, plan_job
+from upipe_dtensor.planning.step import CudaAllowances, document_metadata_bytes, plan_job
+
+pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
 OPTIONS = {
     "causal": [],
     "document positions": ["--training.position_ids", "document"],
-    "document mask": ["--training.attention_mask", "document", "--training.position_ids", "document"],
+    "document mask": [
+        "--training.attention_mask",
+        "document",
+        "--training.position_ids",
+        "document",
+    ],
     "document mask, global positions": ["--training.attention_mask", "document"],
 }
 
 
 def _short_documents(folder: Path) -> str:
     """60 documents of 1..23 words: a 64-token sequence holds 2 or 3 of them."""
-    lines = [json.dumps({"text": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + (7 * i) % 23))})
-             for i in range(60)]
+    lines = [
+        json.dumps({"text": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + (7 * i) % 23))})
+        for i in range(60)
+    ]
     path = folder / "short_docs.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
 
 def _config(dump: Path, cp: int, corpus: str, extra: list[str]):
-    return parse_args([
-        "--config", str(REPO / "train_configs/debug_model.toml"),
-        "--job.dump_folder", str(dump),
-        "--training.dataset_path", corpus,
-        "--training.seq_len", "64",
-        "--training.local_batch_size", "2",
-        "--training.steps", "3",
-        "--lr_scheduler.warmup_steps", "2",
-        "--parallelism.context_parallel_degree", str(cp),
-        "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false",
-        "--metrics.log_freq", "100",
-        *extra,
-    ])
+    return parse_args(
+        [
+            "--config",
+            str(REPO / "recipes/debug_model.toml"),
+            "--job.dump_folder",
+            str(dump),
+            "--training.dataset_path",
+            corpus,
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "3",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--parallelism.context_parallel_degree",
+            str(cp),
+            "--checkpoint.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.log_freq",
+            "100",
+            *extra,
+        ]
+    )
 
 
 def _train_each(rank: int, world: int, tmp: str, corpus: str, options: dict, out: str) -> None:
-    from upipe_dtensor.trainer import Trainer
+    from upipe_dtensor.jobs.trainer import Trainer
 
-    losses = {name: Trainer(_config(Path(tmp) / name, world, corpus, extra)).train()
-              for name, extra in options.items()}
+    losses = {
+        name: Trainer(_config(Path(tmp) / name, world, corpus, extra)).train()
+        for name, extra in options.items()
+    }
     if rank == 0:
         Path(out).write_text(json.dumps(losses))
 
@@ -71,7 +95,9 @@ def test_documents_cp2_equal_cp1(tmp_path: Path) -> None:
             assert abs(one - two) <= 1e-5 * abs(one), f"{name}, step {step}: cp1 {one} vs cp2 {two}"
         assert results[1][name] != pytest.approx(results[1]["causal"], rel=1e-4), name
     # Inside a document RoPE sees only distances, so where positions restart does not matter.
-    assert results[1]["document mask, global positions"] == pytest.approx(results[1]["document mask"], rel=1e-5)
+    assert results[1]["document mask, global positions"] == pytest.approx(
+        results[1]["document mask"], rel=1e-5
+    )
     assert results[1]["document mask"] != pytest.approx(results[1]["document positions"], rel=1e-4)
 
 
@@ -79,15 +105,23 @@ def test_planner_counts_document_metadata(tmp_path: Path) -> None:
     """The planned peak grows by exactly the boundary metadata, a negligible share of it."""
     plans = {}
     for name, extra in OPTIONS.items():
-        config = _config(tmp_path, 2, str(REPO / "assets/corpus"),
-                         ["--training.seq_len", "16384", "--training.local_batch_size", "1", *extra])
-        # Without the fragmentation allowance (a share of the peak) the growth is the metadata alone.
+        config = _config(
+            tmp_path,
+            2,
+            str(REPO / "assets/corpus"),
+            ["--training.seq_len", "16384", "--training.local_batch_size", "1", *extra],
+        )
+        # Without the fragmentation allowance (a share of the peak) the growth is the metadata
+        # alone.
         plans[name] = (config, plan_job(config, allowances=CudaAllowances(fragmentation=0.0)))
     causal = plans.pop("causal")[1]
     assert causal.document_metadata_bytes == 0
     ids, positions = 16384 * 4, 16384 // 2 * 8  # int32 ids of the sequence, int64 shard positions
-    expected = {"document positions": positions, "document mask": ids + positions,
-                "document mask, global positions": ids}
+    expected = {
+        "document positions": positions,
+        "document mask": ids + positions,
+        "document mask, global positions": ids,
+    }
     for name, (config, plan) in plans.items():
         assert plan.document_metadata_bytes == document_metadata_bytes(config) == expected[name]
         growth = plan.device_peak_bytes - causal.device_peak_bytes

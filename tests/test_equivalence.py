@@ -18,14 +18,24 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.tensor.parallel import parallelize_module
-
 from harness import (
-    VOCAB, cast_parameters, cp_mesh, gather_sequence, make_style, rel_err, run_on_ranks, shard, summed_grads,
+    VOCAB,
+    cast_parameters,
+    cp_mesh,
+    gather_sequence,
+    make_style,
+    rel_err,
+    run_on_ranks,
+    shard,
+    summed_grads,
     tiny_llama,
 )
-from upipe_dtensor.documents import document_positions
+from torch.distributed.tensor.parallel import parallelize_module
+
+from upipe_dtensor.data.documents import document_positions
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
+
+pytestmark = pytest.mark.distributed
 
 FP32_TOL = 1e-5
 
@@ -53,14 +63,20 @@ def ulysses_cases(cp: int) -> list[dict]:
 def ring_cases(cp: int) -> list[dict]:
     # Ring has no head constraint: also fewer KV heads than ranks without replication.
     geoms = [(4, 4), (4, 2), (4, 1)]
-    return [dict(style="ring", n_heads=h, n_kv=kv, seq_len=s) for h, kv in geoms for s in (4 * cp, 5 * cp)]
+    return [
+        dict(style="ring", n_heads=h, n_kv=kv, seq_len=s)
+        for h, kv in geoms
+        for s in (4 * cp, 5 * cp)
+    ]
 
 
 def fpdt_cases(cp: int) -> list[dict]:
     out = []
     for n_heads, n_kv in geometries(cp)[1:3]:  # GQA n_rep 2 and 4
         for chunks in (1, 2, 4):
-            out.append(dict(style="fpdt", n_heads=n_heads, n_kv=n_kv, chunks=chunks, seq_len=4 * cp))
+            out.append(
+                dict(style="fpdt", n_heads=n_heads, n_kv=n_kv, chunks=chunks, seq_len=4 * cp)
+            )
     n_heads, n_kv = geometries(cp)[-1]  # fewest KV heads; not a multiple of 2C; UPipe x FPDT
     out.append(dict(style="fpdt", n_heads=n_heads, n_kv=n_kv, chunks=1, seq_len=5 * cp))
     out.append(dict(style="fpdt", n_heads=n_heads, n_kv=n_kv, chunks=2, u=cp, seq_len=4 * cp))
@@ -76,24 +92,32 @@ def two_d_cases(cp: int) -> list[dict]:
             for u in sorted({heads, n_heads}):
                 for seq_len in (4 * cp, 5 * cp):
                     style = "ulysses2d" if u == n_heads else "upipe2d"
-                    out.append(dict(style=style, ring=ring, n_heads=n_heads, n_kv=n_kv, u=u, seq_len=seq_len))
+                    out.append(
+                        dict(
+                            style=style, ring=ring, n_heads=n_heads, n_kv=n_kv, u=u, seq_len=seq_len
+                        )
+                    )
     return out
 
 
 def document_cases(cp: int) -> list[dict]:
     """Every style once with documents, in both RoPE position modes."""
     h = 4 * max(cp, 2)
-    styles = [dict(style="upipe", n_heads=h, n_kv=max(1, cp // 2), u=cp),  # KV heads < C
-              dict(style="ulysses", n_heads=h, n_kv=h // 2, u=h),
-              dict(style="ring", n_heads=4, n_kv=2),
-              dict(style="fpdt", n_heads=h, n_kv=h // 4, chunks=2)]
+    styles = [
+        dict(style="upipe", n_heads=h, n_kv=max(1, cp // 2), u=cp),  # KV heads < C
+        dict(style="ulysses", n_heads=h, n_kv=h // 2, u=h),
+        dict(style="ring", n_heads=4, n_kv=2),
+        dict(style="fpdt", n_heads=h, n_kv=h // 4, chunks=2),
+    ]
     if cp >= 2:
         styles.append(dict(style="upipe2d", ring=2, n_heads=8, n_kv=2, u=cp // 2))
     return [s | dict(seq_len=4 * cp, docs=mode) for s in styles for mode in ("global", "document")]
 
 
 def cases(cp: int, dtype: torch.dtype) -> list[dict]:
-    grid = ulysses_cases(cp) + ring_cases(cp) + fpdt_cases(cp) + two_d_cases(cp) + document_cases(cp)
+    grid = (
+        ulysses_cases(cp) + ring_cases(cp) + fpdt_cases(cp) + two_d_cases(cp) + document_cases(cp)
+    )
     if dtype != torch.float32:  # bf16: UPipe/Ulysses in full, the other styles once each
         seen, subset = set(), []
         for case in grid:
@@ -147,15 +171,23 @@ def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype) -> dict:
     ref_positions = positions if positions is not None else torch.arange(seq_len).expand(2, -1)
 
     def loss_and_logits(m, toks, pos, prb, docs=None, reference_run=False):
-        logits = _reference_logits(m, toks, pos, docs) if reference_run else m(toks, attention_masks=docs, positions=pos)
+        logits = (
+            _reference_logits(m, toks, pos, docs)
+            if reference_run
+            else m(toks, attention_masks=docs, positions=pos)
+        )
         (logits.float() * prb).sum().backward()
         return logits.detach().float()
 
-    ref_logits = loss_and_logits(reference, tokens, ref_positions, probe, doc_ids, reference_run=True)
+    ref_logits = loss_and_logits(
+        reference, tokens, ref_positions, probe, doc_ids, reference_run=True
+    )
     style = make_style(case)
     parallelize_module(model, cp_mesh(case, cp), {"layers.*.attention": style})
     local_pos = None if positions is None else shard(positions, rank, cp, style)
-    local_logits = loss_and_logits(model, shard(tokens, rank, cp, style), local_pos, shard(probe, rank, cp, style), doc_ids)
+    local_logits = loss_and_logits(
+        model, shard(tokens, rank, cp, style), local_pos, shard(probe, rank, cp, style), doc_ids
+    )
     logits = gather_sequence(local_logits, style)
     grads = summed_grads(model)
     errors = {"logits": rel_err(logits, ref_logits)}
@@ -164,7 +196,9 @@ def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype) -> dict:
         return {k: (v, FP32_TOL) for k, v in errors.items()}
     # bf16: the sharded model may be no less accurate than the unsharded one (vs float32 truth).
     truth_logits = loss_and_logits(truth, tokens, ref_positions, probe, doc_ids, reference_run=True)
-    result = {"logits": (rel_err(logits, truth_logits), 2 * rel_err(ref_logits, truth_logits) + 1e-2)}
+    result = {
+        "logits": (rel_err(logits, truth_logits), 2 * rel_err(ref_logits, truth_logits) + 1e-2)
+    }
     for n, p in truth.named_parameters():
         ref_grad = dict(reference.named_parameters())[n].grad
         result[n] = (rel_err(grads[n], p.grad), 2 * rel_err(ref_grad, p.grad) + 1e-2)
@@ -190,7 +224,9 @@ def test_matches_unsharded_model(cp: int, dtype: torch.dtype) -> None:
 def test_three_ranks_ring_and_fpdt() -> None:
     """C = 3, where the methods allow it: ring (any heads) and FPDT (6 heads over 3 ranks)."""
     grid = [dict(style="ring", n_heads=4, n_kv=2, seq_len=s) for s in (6, 9)]
-    grid += [dict(style="fpdt", n_heads=6, n_kv=kv, chunks=c, seq_len=12) for kv, c in ((3, 2), (6, 4))]
+    grid += [
+        dict(style="fpdt", n_heads=6, n_kv=kv, chunks=c, seq_len=12) for kv, c in ((3, 2), (6, 4))
+    ]
     grid += [dict(style="ring", n_heads=4, n_kv=1, seq_len=12, docs="document")]
     run_on_ranks(3, _grid, torch.float32, grid)
 
@@ -198,8 +234,10 @@ def test_three_ranks_ring_and_fpdt() -> None:
 def test_eight_ranks_as_two_by_four() -> None:
     """2D with a ring of 2 and a head axis of 4 (8 processes, so two cases): UPipe with fewer KV
     heads than the head axis at a length that is not a multiple of 2C, and Ulysses-2D (U = H)."""
-    grid = [dict(style="upipe2d", ring=2, n_heads=16, n_kv=2, u=4, seq_len=40),
-            dict(style="ulysses2d", ring=2, n_heads=16, n_kv=8, u=16, seq_len=32)]
+    grid = [
+        dict(style="upipe2d", ring=2, n_heads=16, n_kv=2, u=4, seq_len=40),
+        dict(style="ulysses2d", ring=2, n_heads=16, n_kv=8, u=16, seq_len=32),
+    ]
     run_on_ranks(8, _grid, torch.float32, grid)
 
 
@@ -214,6 +252,8 @@ def test_grid_covers_the_promised_cases() -> None:
         assert {c["chunks"] for c in grid if c["style"] == "fpdt"} == {1, 2, 4}
         assert any(c["n_kv"] < cp for c in grid if c["style"] == "ring")
         assert {(c["style"], c["docs"]) for c in grid if "docs" in c} >= {
-            (s, m) for s in ("upipe", "ulysses", "ring", "fpdt", "upipe2d") for m in ("global", "document")
+            (s, m)
+            for s in ("upipe", "ulysses", "ring", "fpdt", "upipe2d")
+            for m in ("global", "document")
         }
     assert {c["ring"] for c in two_d_cases(4)} == {2, 4}

@@ -12,9 +12,11 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch.distributed as dist
-
 from harness import run_on_ranks
+
+pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 64
@@ -23,13 +25,13 @@ SEQ_LEN = 64
 def _write_job(tmp: Path) -> Path:
     job = tmp / "job.toml"
     job.write_text(
-        f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
+        f'extends = "{REPO / "recipes/debug_model.toml"}"\n'
         f'[job]\ndump_folder = "{tmp / "out"}"\n'
-        f'[training]\nseq_len = {SEQ_LEN}\nlocal_batch_size = 2\nsteps = 4\n'
-        f'[parallelism]\ncontext_parallel_degree = 1\n'
-        f'[lr_scheduler]\nwarmup_steps = 2\n'
-        f'[checkpoint]\ninterval = 2\n'
-        f'[metrics]\nenable_tensorboard = false\nlog_freq = 100\n'
+        f"[training]\nseq_len = {SEQ_LEN}\nlocal_batch_size = 2\nsteps = 4\n"
+        f"[parallelism]\ncontext_parallel_degree = 1\n"
+        f"[lr_scheduler]\nwarmup_steps = 2\n"
+        f"[checkpoint]\ninterval = 2\n"
+        f"[metrics]\nenable_tensorboard = false\nlog_freq = 100\n"
     )
     return job
 
@@ -39,13 +41,22 @@ def _evaluate(job: Path, tokens: Path, *extra: str) -> dict:
     from upipe_dtensor import evaluate
 
     stdout, stderr = io.StringIO(), io.StringIO()
-    with mock.patch.dict(os.environ), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with (
+        mock.patch.dict(os.environ),
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
         for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(name, None)
         code = evaluate.main(["--config", str(job), "--tokens", str(tokens), *extra])
     lines = stdout.getvalue().strip().splitlines()
     result = json.loads(lines[-1]) if code == 0 else None
-    return {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), "result": result}
+    return {
+        "code": code,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
+        "result": result,
+    }
 
 
 def _damage(snapshot: Path, *, truncate: bool) -> None:
@@ -62,7 +73,7 @@ def _damage(snapshot: Path, *, truncate: bool) -> None:
 
 def _train_then_evaluate(rank: int, world: int, tmp: str, out: str) -> None:
     from upipe_dtensor.config import parse_args
-    from upipe_dtensor.trainer import Trainer
+    from upipe_dtensor.jobs.trainer import Trainer
 
     tmp_path = Path(tmp)
     job = _write_job(tmp_path)
@@ -72,7 +83,10 @@ def _train_then_evaluate(rank: int, world: int, tmp: str, out: str) -> None:
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 2048, (2, SEQ_LEN)))
 
-    runs = {"newest": _evaluate(job, tokens), "step2": _evaluate(job, tokens, "--checkpoint.load_step", "2")}
+    runs = {
+        "newest": _evaluate(job, tokens),
+        "step2": _evaluate(job, tokens, "--checkpoint.load_step", "2"),
+    }
     _damage(checkpoints / "step-4", truncate=False)
     runs["explicit damaged"] = _evaluate(job, tokens, "--checkpoint.load_step", "4")
     runs["after explicit"] = sorted(p.name for p in checkpoints.iterdir())
@@ -89,24 +103,34 @@ def test_evaluate_verifies_snapshots_and_falls_back_like_the_trainer(tmp_path: P
     checkpoints = tmp_path / "out" / "checkpoint"
 
     newest, step2 = runs["newest"], runs["step2"]
-    assert newest["code"] == 0 and f"evaluated snapshot {checkpoints / 'step-4'}" in newest["stdout"]
+    assert (
+        newest["code"] == 0 and f"evaluated snapshot {checkpoints / 'step-4'}" in newest["stdout"]
+    )
     assert step2["code"] == 0 and f"evaluated snapshot {checkpoints / 'step-2'}" in step2["stdout"]
     assert newest["result"]["loss"] != step2["result"]["loss"]  # training moved the weights
 
     explicit = runs["explicit damaged"]  # the user named the step: no fallback, nothing renamed
     assert explicit["code"] == 1 and explicit["result"] is None
-    assert f"error: no good snapshot to resume from: {checkpoints / 'step-4'}: " in explicit["stderr"]
+    assert (
+        f"error: no good snapshot to resume from: {checkpoints / 'step-4'}: " in explicit["stderr"]
+    )
     assert "is corrupt (CRC-32" in explicit["stderr"]
     assert runs["after explicit"] == ["step-2", "step-4"]
 
     fallback = runs["fallback"]
     assert fallback["code"] == 0, fallback["stderr"]
     assert f"WARNING: snapshot {checkpoints / 'step-4'} is damaged: " in fallback["stderr"]
-    assert f"WARNING: falling back to the older snapshot {checkpoints / 'step-2'}" in fallback["stderr"]
+    assert (
+        f"WARNING: falling back to the older snapshot {checkpoints / 'step-2'}"
+        in fallback["stderr"]
+    )
     assert fallback["result"] == step2["result"]  # exactly step-2's weights (CPU is deterministic)
     assert runs["after fallback"] == ["step-2", "step-4.corrupt"]
 
     none_good = runs["none good"]
     assert none_good["code"] == 1 and none_good["result"] is None
-    assert f"{checkpoints / 'step-2'}: " in none_good["stderr"] and "the manifest says" in none_good["stderr"]
+    assert (
+        f"{checkpoints / 'step-2'}: " in none_good["stderr"]
+        and "the manifest says" in none_good["stderr"]
+    )
     assert "move the damaged snapshots out of the checkpoint folder" in none_good["stderr"]

@@ -24,30 +24,49 @@ from pathlib import Path
 import pytest
 
 from upipe_dtensor import plan
+from upipe_dtensor.checkpointing.job_lock import JobLock
 from upipe_dtensor.config import CP_STYLES, parse_args
-from upipe_dtensor.job_lock import JobLock
-from upipe_dtensor.trainer import lr_lambda
+from upipe_dtensor.jobs.trainer import lr_lambda
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
 JOB = [
-    "--config", str(REPO / "train_configs/debug_model.toml"),
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "2",
-    "--lr_scheduler.warmup_steps", "1",
-    "--checkpoint.interval", "2",
-    "--metrics.log_freq", "1",
+    "--config",
+    str(REPO / "recipes/debug_model.toml"),
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--checkpoint.interval",
+    "2",
+    "--metrics.log_freq",
+    "1",
 ]
 
 
 def _command(dump: Path, extra: list[str], nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(REPO / "train.py"), *JOB, "--job.dump_folder", str(dump), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "train.py"),
+        *JOB,
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 def _run(dump: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(dump, list(extra), nproc), cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        _command(dump, list(extra), nproc), cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def _failed_with(result: subprocess.CompletedProcess, code: int) -> bool:
@@ -86,7 +105,9 @@ def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
     result = _run(dump, "--training.steps", str(STEPS))
     assert result.returncode == 0, result.stderr
     assert _trained_steps(result.stdout) == list(range(1, STEPS + 1))
-    assert f"saved step-2 to {dump / 'checkpoint' / 'step-2'}" in result.stdout  # the log says where
+    assert (
+        f"saved step-2 to {dump / 'checkpoint' / 'step-2'}" in result.stdout
+    )  # the log says where
     assert "cp 2 x dp 1 = 2 ranks" in result.stdout  # the start-up line shows the real layout
     return dump, _scalars(dump, "loss")
 
@@ -103,8 +124,10 @@ def test_fewer_steps_than_the_snapshot_is_a_config_error(reference) -> None:
     dump, _ = reference
     result = _run(dump, "--training.steps", "5")
     assert _failed_with(result, 2), result.stderr
-    assert f"command line: [training] steps = 5, but {dump / 'checkpoint'} already holds snapshot " \
-           f"step-{STEPS}; set --training.steps above {STEPS}" in result.stderr
+    assert (
+        f"command line: [training] steps = 5, but {dump / 'checkpoint'} already holds snapshot "
+        f"step-{STEPS}; set --training.steps above {STEPS}" in result.stderr
+    )
     assert _trained_steps(result.stdout) == []
 
 
@@ -112,8 +135,10 @@ def test_another_data_parallel_degree_is_refused_before_the_model(reference) -> 
     dump, _ = reference
     result = _run(dump, "--training.steps", "40", "--parallelism.context_parallel_degree", "1")
     assert _failed_with(result, 2), result.stderr
-    assert "saved with data-parallel degree 1 (cp 2 on 2 processes), this job has data-parallel " \
-           "degree 2 (cp 1 on 2)" in result.stderr
+    assert (
+        "saved with data-parallel degree 1 (cp 2 on 2 processes), this job has data-parallel "
+        "degree 2 (cp 1 on 2)" in result.stderr
+    )
     assert "training debugmodel" not in result.stdout  # refused before the model was built
 
 
@@ -158,8 +183,13 @@ def test_sigterm_saves_and_the_job_resumes_bit_identically(reference, tmp_path: 
     """SIGTERM to torchrun (what a scheduler sends), which forwards it to the ranks."""
     dump = tmp_path / "job"
     extra = ["--training.steps", str(STEPS), "--checkpoint.interval", "1000"]
-    job = subprocess.Popen(_command(dump, extra, 2), cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        _command(dump, extra, 2),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in job.stdout:
         if line.startswith("step "):
             job.send_signal(signal.SIGTERM)
@@ -179,8 +209,13 @@ def test_sigterm_saves_and_the_job_resumes_bit_identically(reference, tmp_path: 
 
 def test_second_job_is_refused_and_orphaned_ranks_exit(tmp_path: Path) -> None:
     dump = tmp_path / "job"
-    first = subprocess.Popen(_command(dump, ["--training.steps", "100000"], 2), cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        _command(dump, ["--training.steps", "100000"], 2),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in first.stdout], daemon=True).start()
     try:
@@ -191,8 +226,9 @@ def test_second_job_is_refused_and_orphaned_ranks_exit(tmp_path: Path) -> None:
         second = _run(dump, "--training.steps", "100000")
         took = time.monotonic() - began
         assert _failed_with(second, 1), second.stderr
-        assert (f"{dump} is in use by another job (host {socket.gethostname()}, pid "
-                f"{holder['pid']}") in second.stderr
+        assert (
+            f"{dump} is in use by another job (host {socket.gethostname()}, pid {holder['pid']}"
+        ) in second.stderr
         assert took < 60, f"the second job took {took:.0f} s to give up"
         print(f"second job refused in {took:.1f} s")
 
@@ -245,11 +281,23 @@ def _drain(lines: queue.Queue) -> str:
 
 def test_non_finite_loss_stops_without_saving(tmp_path: Path) -> None:
     dump = tmp_path / "job"
-    result = _run(dump, "--training.steps", "4", "--checkpoint.interval", "1",
-                  "--parallelism.context_parallel_degree", "1", "--optimizer.lr", "1e30", nproc=1)
+    result = _run(
+        dump,
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "1",
+        "--parallelism.context_parallel_degree",
+        "1",
+        "--optimizer.lr",
+        "1e30",
+        nproc=1,
+    )
     assert _failed_with(result, 1), result.stderr
-    assert "not finite; stopped without saving (the last good snapshot is " \
-           f"{dump / 'checkpoint' / 'step-1'})" in result.stderr
+    assert (
+        "not finite; stopped without saving (the last good snapshot is "
+        f"{dump / 'checkpoint' / 'step-1'})" in result.stderr
+    )
     bad_step = int(result.stderr.split("error: step ")[1].split(":")[0])
     assert bad_step == _trained_steps(result.stdout)[-1]
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == [f"step-{bad_step - 1}"]
@@ -262,8 +310,11 @@ def small_disk(tmp_path: Path):
     mount.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a size-limited tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=75m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=75m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -278,10 +329,14 @@ def test_disk_full_during_a_save_says_so_and_keeps_the_last_snapshot(small_disk:
     assert _failed_with(result, 1), result.stderr
     assert "a later save will run out of space" in result.stderr  # warned at start-up
     good = dump / "checkpoint" / "step-2"
-    assert (f"error: saving step-4 in {dump / 'checkpoint'} failed: no space left on device (the "
-            f"snapshot needs about") in result.stderr
-    assert f"bytes are free after removing the partial save); the last good snapshot {good} is " \
-           "intact" in result.stderr
+    assert (
+        f"error: saving step-4 in {dump / 'checkpoint'} failed: no space left on device (the "
+        f"snapshot needs about"
+    ) in result.stderr
+    assert (
+        f"bytes are free after removing the partial save); the last good snapshot {good} is "
+        "intact" in result.stderr
+    )
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]
     manifest = json.loads((good / "manifest.json").read_text())
     for name, entry in manifest["files"].items():
@@ -289,18 +344,25 @@ def test_disk_full_during_a_save_says_so_and_keeps_the_last_snapshot(small_disk:
         assert (len(data), zlib.crc32(data)) == (entry["bytes"], entry["crc32"]), name
 
 
-@pytest.mark.parametrize("options,message", [
-    (["--sweep", "seq_len", "--styles", "upipe,bogus"],
-     f"unknown cp style 'bogus'; choose from {', '.join(CP_STYLES)}"),
-    (["--styles", "upipe"], "--styles applies to --sweep seq_len"),
-    (["--device-memory-gib", "0"], "--device-memory-gib: 0 must be > 0"),
-    (["--host-memory-gib", "-1"], "--host-memory-gib: -1 must be > 0"),
-    (["--world-size", "0"], "--world-size: 0 must be > 0"),
-    (["--resolution", "1.5"], "--resolution: 1.5 must be between 0 and 1"),
-    (["--device-memory-gb", "40"], "unrecognized option --device-memory-gb"),
-])
-def test_planner_rejects_bad_options_listing_valid_ones(capsys, options: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (
+            ["--sweep", "seq_len", "--styles", "upipe,bogus"],
+            f"unknown cp style 'bogus'; choose from {', '.join(CP_STYLES)}",
+        ),
+        (["--styles", "upipe"], "--styles applies to --sweep seq_len"),
+        (["--device-memory-gib", "0"], "--device-memory-gib: 0 must be > 0"),
+        (["--host-memory-gib", "-1"], "--host-memory-gib: -1 must be > 0"),
+        (["--world-size", "0"], "--world-size: 0 must be > 0"),
+        (["--resolution", "1.5"], "--resolution: 1.5 must be between 0 and 1"),
+        (["--device-memory-gb", "40"], "unrecognized option --device-memory-gb"),
+    ],
+)
+def test_planner_rejects_bad_options_listing_valid_ones(
+    capsys, options: list[str], message: str
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        plan.main(["--config", str(REPO / "train_configs/debug_model.toml"), *options])
+        plan.main(["--config", str(REPO / "recipes/debug_model.toml"), *options])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

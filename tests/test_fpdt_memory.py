@@ -11,6 +11,7 @@ sequences (one chunk) is the contrast.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -18,8 +19,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.memory.host_store import HostMemory
-from upipe_dtensor.memory.tracker import LiveMemoryTracker
+from upipe_dtensor.parallel.attention_op import AttentionParams
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
+from upipe_dtensor.planning.tracker import LiveMemoryTracker
+
+pytestmark = pytest.mark.unit
 
 HEADS, KV_HEADS, HEAD_DIM, CHUNK = 8, 4, 16, 256
 DIM = 8  # narrow: the layer output (made after the chunk loop) stays below one chunk's work
@@ -32,15 +36,24 @@ def _transients(chunks: int, chunk_tokens: int) -> tuple[int, int, int]:
     tracker = LiveMemoryTracker()
     with FakeTensorMode(), transparent_ops(), tracker:
         x = torch.empty(1, seq_len, DIM, requires_grad=True)
-        weights = [torch.empty(h * HEAD_DIM, DIM, requires_grad=True) for h in (HEADS, KV_HEADS, KV_HEADS)]
+        weights = [
+            torch.empty(h * HEAD_DIM, DIM, requires_grad=True) for h in (HEADS, KV_HEADS, KV_HEADS)
+        ]
         weights.append(torch.empty(DIM, HEADS * HEAD_DIM, requires_grad=True))  # wo
         rope = torch.empty(seq_len, HEAD_DIM // 2, 2)
         tracker.start_step()
         start = tracker.totals["cpu"]
-        out = fpdt_attention(
-            x, *weights, rope, group_name="", cp_size=1, head_dim=HEAD_DIM, heads_per_stage=HEADS,
-            chunks=chunks, store_name=host.name, backend="sdpa",
+        params = AttentionParams(
+            head_group="",
+            head_degree=1,
+            head_dim=HEAD_DIM,
+            heads_per_stage=HEADS,
+            chunks=chunks,
+            scale=HEAD_DIM**-0.5,
+            backend="sdpa",
+            store_name=host.name,
         )
+        out = fpdt_attention(x, *weights, rope, None, params)
         # Alive through the loop: the pre-wo output buffer and the LSEs (saved for backward). The
         # layer output y comes after the loop; it must be below the loop's own peak.
         saved = seq_len * HEADS * HEAD_DIM * 4 + _lse_bytes(seq_len)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_on_ranks
+
+pytestmark = pytest.mark.distributed
 
 _KEPT: list = []
 

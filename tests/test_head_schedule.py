@@ -6,7 +6,18 @@ import pytest
 
 from upipe_dtensor.parallel.head_schedule import make_head_schedule, valid_heads_per_stage
 
-GEOMETRIES = [(32, 8, 8), (64, 8, 8), (64, 8, 16), (32, 8, 4), (32, 8, 2), (16, 16, 4), (8, 1, 4), (8, 2, 1)]
+pytestmark = pytest.mark.unit
+
+GEOMETRIES = [
+    (32, 8, 8),
+    (64, 8, 8),
+    (64, 8, 16),
+    (32, 8, 4),
+    (32, 8, 2),
+    (16, 16, 4),
+    (8, 1, 4),
+    (8, 2, 1),
+]
 
 
 @pytest.mark.parametrize("n_heads,n_kv,cp", GEOMETRIES)
@@ -24,7 +35,9 @@ def test_each_rank_gets_heads_of_the_kv_head_it_holds(n_heads: int, n_kv: int, c
             per_rank = len(effective) // cp
             for rank in range(cp):
                 held = set(effective[rank * per_rank : (rank + 1) * per_rank])
-                mine = stage.query_heads[rank * plan.query_heads_per_rank :][: plan.query_heads_per_rank]
+                mine = stage.query_heads[rank * plan.query_heads_per_rank :][
+                    : plan.query_heads_per_rank
+                ]
                 assert {h // n_rep for h in mine} <= held
 
 

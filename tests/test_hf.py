@@ -16,14 +16,16 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import HuggingFaceStorageReader
-
 from harness import gather_sequence, rel_err, run_on_ranks
 from hf_tiny import SEQ_LEN, load_reference, random_tokens, safetensors_weights, write_tiny_hf_llama
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
 from upipe_dtensor import convert
-from upipe_dtensor.build import build_parallel_model, load_initial_weights
 from upipe_dtensor.config import ConfigError, check_job, parse_args
-from upipe_dtensor.evaluate import position_loss_sums
+from upipe_dtensor.jobs.build import build_parallel_model, load_initial_weights
+from upipe_dtensor.jobs.evaluate import position_loss_sums
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,27 +36,48 @@ def hf_folder(tmp_path_factory) -> Path:
 
 
 def _job(dump: Path, hf: Path, *extra: str):
-    return parse_args([
-        "--config", str(REPO / "train_configs/debug_model.toml"),
-        "--job.dump_folder", str(dump),
-        "--model.flavor", "hf",
-        "--model.hf_assets_path", str(hf),
-        "--model.tokenizer_path=",
-        "--checkpoint.initial_load_in_hf", "true",
-        "--training.seq_len", str(SEQ_LEN),
-        "--parallelism.context_parallel_degree", "2",
-        "--metrics.enable_tensorboard", "false",
-        *extra,
-    ])
+    return parse_args(
+        [
+            "--config",
+            str(REPO / "recipes/debug_model.toml"),
+            "--job.dump_folder",
+            str(dump),
+            "--model.flavor",
+            "hf",
+            "--model.hf_assets_path",
+            str(hf),
+            "--model.tokenizer_path=",
+            "--checkpoint.initial_load_in_hf",
+            "true",
+            "--training.seq_len",
+            str(SEQ_LEN),
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+            *extra,
+        ]
+    )
 
 
 def _torchrun(processes: int, *args: str, timeout: float = 300) -> tuple[int, str, str]:
     """Run ``torchrun --standalone`` in its own process group, killed whole on timeout."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         str(processes), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(processes),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -95,15 +118,27 @@ def _logits_on_ranks(rank: int, world: int, dump: str, cases: list, tokens, pack
         err = rel_err(logits, expected)
         assert err <= 1e-4, err
         if rank == 0:
-            print(f"UPipe cp=2 logits vs transformers ({'tied' if tied else 'untied'}): rel err {err:.2e}")
+            print(
+                f"UPipe cp=2 logits vs transformers ({'tied' if tied else 'untied'}): rel err "
+                f"{err:.2e}"
+            )
 
 
 def _document_losses(dump: Path, hf: str, row: torch.Tensor, expected: torch.Tensor) -> None:
     """evaluate's per-position losses of a packed row, document-masked, equal transformers'
     losses of each document run on its own."""
-    built = build_parallel_model(_job(dump, Path(hf), "--checkpoint.enable", "false",
-                                      "--training.attention_mask", "document",
-                                      "--training.position_ids", "document"))
+    built = build_parallel_model(
+        _job(
+            dump,
+            Path(hf),
+            "--checkpoint.enable",
+            "false",
+            "--training.attention_mask",
+            "document",
+            "--training.position_ids",
+            "document",
+        )
+    )
     load_initial_weights(built)
     losses = position_loss_sums(built, row)[:-1]
     err = rel_err(losses, expected)
@@ -136,17 +171,25 @@ def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_fo
     tokens = random_tokens(3, seed=2)
     np.save(tmp_path / "tokens.npy", tokens.numpy().astype(np.int32))
     with torch.no_grad():
-        expected = load_reference(hf_folder)(tokens, labels=tokens).loss.item()  # transformers' own shift
+        expected = load_reference(hf_folder)(
+            tokens, labels=tokens
+        ).loss.item()  # transformers' own shift
     job = tmp_path / "eval.toml"
     job.write_text(
-        f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
+        f'extends = "{REPO / "recipes/debug_model.toml"}"\n'
         f'[job]\ndump_folder = "{tmp_path / "out"}"\n'
         f'[model]\nflavor = "hf"\nhf_assets_path = "{hf_folder}"\ntokenizer_path = ""\n'
-        f'[checkpoint]\ninitial_load_in_hf = true\n'
-        f'[metrics]\nenable_tensorboard = false\n'
+        f"[checkpoint]\ninitial_load_in_hf = true\n"
+        f"[metrics]\nenable_tensorboard = false\n"
     )
     returncode, stdout, stderr = _torchrun(
-        2, "-m", "upipe_dtensor.evaluate", "--config", str(job), "--tokens", str(tmp_path / "tokens.npy")
+        2,
+        "-m",
+        "upipe_dtensor.evaluate",
+        "--config",
+        str(job),
+        "--tokens",
+        str(tmp_path / "tokens.npy"),
     )
     assert returncode == 0, stderr[-3000:]
     report = json.loads(stdout.strip().splitlines()[-1])
@@ -162,32 +205,64 @@ def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_fo
 
 def test_hf_to_dcp_to_hf_is_bit_exact(tmp_path: Path, hf_folder: Path) -> None:
     assert convert.main(["--to", "dcp", str(hf_folder), str(tmp_path / "dcp")]) == 0
-    assert convert.main([
-        "--to", "hf", str(tmp_path / "dcp"), str(tmp_path / "hf"),
-        "--model.flavor", "hf", "--model.hf_assets_path", str(hf_folder),
-    ]) == 0
+    assert (
+        convert.main(
+            [
+                "--to",
+                "hf",
+                str(tmp_path / "dcp"),
+                str(tmp_path / "hf"),
+                "--model.flavor",
+                "hf",
+                "--model.hf_assets_path",
+                str(hf_folder),
+            ]
+        )
+        == 0
+    )
     original, back = safetensors_weights(hf_folder), safetensors_weights(tmp_path / "hf")
     assert sorted(back) == sorted(original)
     for name, weight in original.items():
         assert back[name].dtype == weight.dtype and torch.equal(back[name], weight), name
     tokens = random_tokens(1)
     with torch.no_grad():
-        assert torch.equal(load_reference(tmp_path / "hf")(tokens).logits, load_reference(hf_folder)(tokens).logits)
+        assert torch.equal(
+            load_reference(tmp_path / "hf")(tokens).logits, load_reference(hf_folder)(tokens).logits
+        )
 
 
-def test_flavor_disagreeing_with_config_json_is_a_config_error(tmp_path: Path, hf_folder: Path) -> None:
+def test_flavor_disagreeing_with_config_json_is_a_config_error(
+    tmp_path: Path, hf_folder: Path
+) -> None:
     config = _job(tmp_path, hf_folder, "--model.flavor", "debugmodel")
-    with pytest.raises(ConfigError, match=r"flavor = 'debugmodel' has hidden_size = 256, but .*config.json has 64"):
+    with pytest.raises(
+        ConfigError, match=r"flavor = 'debugmodel' has hidden_size = 256, but .*config.json has 64"
+    ):
         check_job(config, world_size=2)
-    with pytest.raises(ConfigError, match=r"flavor = 'hf' takes the shape from config.json; set \[model\] hf_assets_path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"flavor = 'hf' takes the shape from config.json; set \[model\] hf_assets_path",
+    ):
         check_job(_job(tmp_path, hf_folder, "--model.hf_assets_path="), world_size=2)
 
 
 def _train_on_ranks(rank: int, world: int, dump: str, hf: str, out: str) -> None:
-    from upipe_dtensor.trainer import Trainer
+    from upipe_dtensor.jobs.trainer import Trainer
 
-    trainer = Trainer(_job(Path(dump), Path(hf), "--training.steps", "1", "--checkpoint.enable", "true",
-                           "--checkpoint.last_save_in_hf", "true", "--training.local_batch_size", "2"))
+    trainer = Trainer(
+        _job(
+            Path(dump),
+            Path(hf),
+            "--training.steps",
+            "1",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.last_save_in_hf",
+            "true",
+            "--training.local_batch_size",
+            "2",
+        )
+    )
     losses = trainer.train()
     if rank == 0:
         Path(out).write_text(json.dumps(losses))
@@ -197,25 +272,52 @@ def test_trainer_starts_from_hf_and_exports_hf(tmp_path: Path, hf_folder: Path) 
     """Step 1's loss is transformers' loss on the same batch; the step-1 export (written from the
     2-rank sharded model) equals the single-process conversion of the step-1 snapshot bit for bit,
     differs from the start (training happened), and transformers loads it."""
-    from upipe_dtensor.data import PackedTextLoader, build_tokenizer
+    from upipe_dtensor.data.loader import PackedTextLoader, build_tokenizer
     from upipe_dtensor.models.llama3 import IGNORE_INDEX
 
-    run_on_ranks(2, _train_on_ranks, str(tmp_path / "job"), str(hf_folder), str(tmp_path / "losses.json"))
+    run_on_ranks(
+        2, _train_on_ranks, str(tmp_path / "job"), str(hf_folder), str(tmp_path / "losses.json")
+    )
     loss = json.loads((tmp_path / "losses.json").read_text())[0]
-    loader = PackedTextLoader(dataset="local", dataset_path=str(REPO / "assets/corpus"), text_field="text",
-                              tokenizer=build_tokenizer(str(hf_folder)), seq_len=SEQ_LEN, batch_size=2,
-                              dp_rank=0, dp_world_size=1)
+    loader = PackedTextLoader(
+        dataset="local",
+        dataset_path=str(REPO / "assets/corpus"),
+        text_field="text",
+        tokenizer=build_tokenizer(str(hf_folder)),
+        seq_len=SEQ_LEN,
+        batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+    )
     inputs, labels = next(iter(loader))
     with torch.no_grad():
         logits = load_reference(hf_folder)(inputs).logits
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    expected = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+    )
     assert abs(loss - expected.item()) <= 1e-5 * expected.item(), (loss, expected.item())
     print(f"step-1 loss from HF weights {loss:.7f} vs transformers {expected.item():.7f}")
 
     checkpoints = tmp_path / "job" / "checkpoint"
-    assert convert.main(["--to", "hf", str(checkpoints / "step-1"), str(tmp_path / "converted"),
-                         "--model.flavor", "hf", "--model.hf_assets_path", str(hf_folder)]) == 0
-    exported, converted = safetensors_weights(checkpoints / "step-1-hf"), safetensors_weights(tmp_path / "converted")
+    assert (
+        convert.main(
+            [
+                "--to",
+                "hf",
+                str(checkpoints / "step-1"),
+                str(tmp_path / "converted"),
+                "--model.flavor",
+                "hf",
+                "--model.hf_assets_path",
+                str(hf_folder),
+            ]
+        )
+        == 0
+    )
+    exported, converted = (
+        safetensors_weights(checkpoints / "step-1-hf"),
+        safetensors_weights(tmp_path / "converted"),
+    )
     original = safetensors_weights(hf_folder)
     assert sorted(exported) == sorted(converted) == sorted(original)
     assert all(torch.equal(exported[k], converted[k]) for k in exported)
@@ -225,26 +327,51 @@ def test_trainer_starts_from_hf_and_exports_hf(tmp_path: Path, hf_folder: Path) 
         assert torch.isfinite(load_reference(checkpoints / "step-1-hf")(tokens).logits).all()
 
 
-def test_initial_load_and_evaluate_inputs_fail_early_with_the_fix(tmp_path: Path, hf_folder: Path, capsys) -> None:
+def test_initial_load_and_evaluate_inputs_fail_early_with_the_fix(
+    tmp_path: Path, hf_folder: Path, capsys
+) -> None:
     """Before any process group: each problem is named with the key and what to do."""
     from upipe_dtensor import evaluate
 
     cases = [
-        (["--checkpoint.initial_load_path", str(tmp_path / "none")], r"initial_load_path = .* is not a folder"),
-        (["--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_in_hf", "false"],
-         r"is not a DCP checkpoint \(no .metadata\); for a Hugging Face folder set initial_load_in_hf"),
+        (
+            ["--checkpoint.initial_load_path", str(tmp_path / "none")],
+            r"initial_load_path = .* is not a folder",
+        ),
+        (
+            [
+                "--checkpoint.initial_load_path",
+                str(tmp_path),
+                "--checkpoint.initial_load_in_hf",
+                "false",
+            ],
+            r"is not a DCP checkpoint \(no .metadata\); for a Hugging Face folder set "
+            r"initial_load_in_hf",
+        ),
         (["--checkpoint.initial_load_path", str(tmp_path)], r"holds no \*.safetensors"),
-        (["--model.flavor", "debugmodel", "--model.hf_assets_path=", "--model.tokenizer_path",
-          str(REPO / "assets/tokenizer"), "--checkpoint.initial_load_path", str(hf_folder)],
-         r"the model to train and the weights in .*config.json differ: hidden_size = 256 \(model\) vs 64"),
+        (
+            [
+                "--model.flavor",
+                "debugmodel",
+                "--model.hf_assets_path=",
+                "--model.tokenizer_path",
+                str(REPO / "assets/tokenizer"),
+                "--checkpoint.initial_load_path",
+                str(hf_folder),
+            ],
+            r"the model to train and the weights in .*config.json differ: hidden_size = 256 "
+            r"\(model\) vs 64",
+        ),
     ]
     for extra, message in cases:
         with pytest.raises(ConfigError, match=message):
             check_job(_job(tmp_path, hf_folder, *extra), world_size=2)
 
     job = tmp_path / "job.toml"
-    job.write_text(f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
-                   f'[job]\ndump_folder = "{tmp_path / "empty"}"\n')
+    job.write_text(
+        f'extends = "{REPO / "recipes/debug_model.toml"}"\n'
+        f'[job]\ndump_folder = "{tmp_path / "empty"}"\n'
+    )
     for array, message in [
         (np.zeros((2, 63), np.int64), "cannot be split over context_parallel_degree = 2"),
         (np.zeros(64, np.int64), r"expected \(N, S\)"),

@@ -7,41 +7,68 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import rel_err, run_on_ranks
+
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.trainer import Trainer
+from upipe_dtensor.jobs.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SWITCHES = {
     "checkpoint": ["--activation_checkpoint.mode", "full"],
-    "checkpoint+host_offload": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
-                                "--activation_checkpoint.cpu_offload_skip_last", "1"],
+    "checkpoint+host_offload": [
+        "--activation_checkpoint.mode",
+        "full",
+        "--activation_checkpoint.cpu_offload",
+        "true",
+        "--activation_checkpoint.cpu_offload_skip_last",
+        "1",
+    ],
     "tiled_mlp": ["--memory.tiled_mlp", "true", "--memory.mlp_tile_tokens", "5"],
     "tiled_rms_norm": ["--memory.tiled_rms_norm", "true", "--memory.norm_tile_tokens", "6"],
     "chunked_loss": ["--memory.chunked_loss", "true", "--memory.loss_chunk_tokens", "7"],
     "fsdp_cpu_offload": ["--training.enable_cpu_offload", "true"],
     # Last: in ALL these override the per-block checkpointing above (later flags win).
-    "checkpoint_pairs+host_offload": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
-                                      "--activation_checkpoint.blocks_per_checkpoint", "2",
-                                      "--activation_checkpoint.cpu_offload_prefetch", "false"],
+    "checkpoint_pairs+host_offload": [
+        "--activation_checkpoint.mode",
+        "full",
+        "--activation_checkpoint.cpu_offload",
+        "true",
+        "--activation_checkpoint.blocks_per_checkpoint",
+        "2",
+        "--activation_checkpoint.cpu_offload_prefetch",
+        "false",
+    ],
 }
 ALL = [arg for args in SWITCHES.values() for arg in args]
 TOL = 1e-5
 
 
-def _loss_and_grads(tmp: str, world: int, style: str, extra: list[str]) -> tuple[torch.Tensor, dict]:
-    config = parse_args([
-        "--config", str(REPO / "train_configs/debug_model.toml"),
-        "--job.dump_folder", tmp,
-        "--training.seq_len", str(16 * world),
-        "--training.local_batch_size", "2",
-        "--parallelism.context_parallel_degree", str(world),
-        "--parallelism.cp_style", style,
-        "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false",
-        *extra,
-    ])
+def _loss_and_grads(
+    tmp: str, world: int, style: str, extra: list[str]
+) -> tuple[torch.Tensor, dict]:
+    config = parse_args(
+        [
+            "--config",
+            str(REPO / "recipes/debug_model.toml"),
+            "--job.dump_folder",
+            tmp,
+            "--training.seq_len",
+            str(16 * world),
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.context_parallel_degree",
+            str(world),
+            "--parallelism.cp_style",
+            style,
+            "--checkpoint.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            *extra,
+        ]
+    )
     trainer = Trainer(config)
     inputs, labels = next(iter(trainer.dataloader))
     loss = trainer.model(trainer.shard_sequence(inputs), labels=trainer.shard_sequence(labels))
@@ -55,7 +82,9 @@ def _loss_and_grads(tmp: str, world: int, style: str, extra: list[str]) -> tuple
     return loss, grads
 
 
-def _compare(rank: int, world: int, tmp: str, style: str, configs: dict[str, list[str]], compile_: bool) -> None:
+def _compare(
+    rank: int, world: int, tmp: str, style: str, configs: dict[str, list[str]], compile_: bool
+) -> None:
     reference_loss, reference = _loss_and_grads(tmp, world, style, [])
     failures = []
     for name, extra in configs.items():

@@ -16,47 +16,96 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_on_ranks
+
 from upipe_dtensor.config import parse_args
+from upipe_dtensor.jobs.trainer import Trainer
+from upipe_dtensor.kernels import tiling
 from upipe_dtensor.kernels.op_mode import transparent_ops
-from upipe_dtensor.memory import tiling
-from upipe_dtensor.memory.tracker import LiveMemoryTracker
-from upipe_dtensor.planner import CUDA_CONTEXT, NCCL_BUFFERS, Budget, CudaAllowances, plan_job, tracked_step
-from upipe_dtensor.trainer import Trainer
+from upipe_dtensor.planning.step import (
+    CUDA_CONTEXT,
+    NCCL_BUFFERS,
+    Budget,
+    CudaAllowances,
+    plan_job,
+    tracked_step,
+)
+from upipe_dtensor.planning.tracker import LiveMemoryTracker
+
+pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
 JOBS = {
     "upipe": [],
     "ulysses": ["--parallelism.cp_style", "ulysses"],
-    "upipe+offload": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true"],
-    "upipe+tiling": ["--memory.tiled_mlp", "true", "--memory.mlp_tile_tokens", "64",
-                     "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true",
-                     "--memory.loss_chunk_tokens", "128"],
-    "ulysses+all": ["--parallelism.cp_style", "ulysses", "--activation_checkpoint.mode", "full",
-                    "--activation_checkpoint.cpu_offload", "true", "--memory.tiled_mlp", "true",
-                    "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true"],
+    "upipe+offload": [
+        "--activation_checkpoint.mode",
+        "full",
+        "--activation_checkpoint.cpu_offload",
+        "true",
+    ],
+    "upipe+tiling": [
+        "--memory.tiled_mlp",
+        "true",
+        "--memory.mlp_tile_tokens",
+        "64",
+        "--memory.tiled_rms_norm",
+        "true",
+        "--memory.chunked_loss",
+        "true",
+        "--memory.loss_chunk_tokens",
+        "128",
+    ],
+    "ulysses+all": [
+        "--parallelism.cp_style",
+        "ulysses",
+        "--activation_checkpoint.mode",
+        "full",
+        "--activation_checkpoint.cpu_offload",
+        "true",
+        "--memory.tiled_mlp",
+        "true",
+        "--memory.tiled_rms_norm",
+        "true",
+        "--memory.chunked_loss",
+        "true",
+    ],
     "ring": ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"],
     # 4 chunks per rank at cp 2, 2 at cp 4: earlier K/V chunks in the host store
     "fpdt": ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "256"],
     "upipe-2d": ["--parallelism.ring_degree", "2"],  # 2 x 1 at cp 2, 2 x 2 at cp 4
-    "upipe+checkpoint_pairs": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
-                               "--activation_checkpoint.blocks_per_checkpoint", "2"],
+    "upipe+checkpoint_pairs": [
+        "--activation_checkpoint.mode",
+        "full",
+        "--activation_checkpoint.cpu_offload",
+        "true",
+        "--activation_checkpoint.blocks_per_checkpoint",
+        "2",
+    ],
 }
 
 
 def _config(tmp: str, cp: int, extra: list[str]):
-    return parse_args([
-        "--config", str(REPO / "train_configs/debug_model.toml"),
-        "--job.dump_folder", tmp,
-        "--training.seq_len", str(512 * cp),
-        "--training.local_batch_size", "1",
-        "--parallelism.context_parallel_degree", str(cp),
-        "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false",
-        *extra,
-    ])
+    return parse_args(
+        [
+            "--config",
+            str(REPO / "recipes/debug_model.toml"),
+            "--job.dump_folder",
+            tmp,
+            "--training.seq_len",
+            str(512 * cp),
+            "--training.local_batch_size",
+            "1",
+            "--parallelism.context_parallel_degree",
+            str(cp),
+            "--checkpoint.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            *extra,
+        ]
+    )
 
 
 def _real_peaks(rank: int, world: int, tmp: str, jobs: dict, out: str) -> None:
@@ -84,7 +133,9 @@ def test_planner_predicts_real_peak_within_5_percent(tmp_path: Path, cp: int) ->
     for name, extra in JOBS.items():
         planned = plan_job(_config(str(tmp_path), cp, extra), target="cpu").device_peak_bytes
         errors[name] = (planned, real[name], abs(planned - real[name]) / real[name])
-    print(f"cp {cp}: planned / real peak bytes: {json.dumps(errors)}")  # the README's table (pytest -s)
+    print(
+        f"cp {cp}: planned / real peak bytes: {json.dumps(errors)}"
+    )  # the README's table (pytest -s)
     bad = {k: v for k, v in errors.items() if not v[2] <= 0.05}
     assert not bad, f"planned vs real peak bytes (relative error): {bad}"
 
@@ -98,7 +149,10 @@ def test_plan_reports_breakdown_and_fit(tmp_path: Path) -> None:
     # all-to-all group), cuBLAS workspace and a fragmentation margin.
     allowances = CudaAllowances()
     assert plan.device_breakdown[CUDA_CONTEXT] == allowances.context_bytes
-    assert plan.device_breakdown[f"{NCCL_BUFFERS} (3 communicators)"] == 3 * allowances.nccl_bytes_per_communicator
+    assert (
+        plan.device_breakdown[f"{NCCL_BUFFERS} (3 communicators)"]
+        == 3 * allowances.nccl_bytes_per_communicator
+    )
     cpu_plan = plan_job(config, Budget(device_bytes=8 * GiB), target="cpu")
     assert CUDA_CONTEXT not in cpu_plan.device_breakdown
     assert not plan_job(config, Budget(device_bytes=plan.device_peak_bytes - 1)).fits
@@ -106,46 +160,104 @@ def test_plan_reports_breakdown_and_fit(tmp_path: Path) -> None:
 
 
 def test_cli_json_and_sweep(tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "upipe_dtensor.plan", "--config", str(REPO / "train_configs/debug_model.toml")]
-    result = subprocess.run([*base, "--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    base = [
+        sys.executable,
+        "-m",
+        "upipe_dtensor.plan",
+        "--config",
+        str(REPO / "recipes/debug_model.toml"),
+    ]
+    result = subprocess.run(
+        [*base, "--json"], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert {"device_peak_bytes", "host_peak_bytes", "device_breakdown", "budget", "fits"} <= set(report)
+    assert {"device_peak_bytes", "host_peak_bytes", "device_breakdown", "budget", "fits"} <= set(
+        report
+    )
 
     sweep = subprocess.run(
-        [*base, "--sweep", "seq_len", "--styles", "upipe,ulysses", "--device-memory-gib", "3.2",
-         "--resolution", "0.2", "--out", str(tmp_path), "--json"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
+        [
+            *base,
+            "--sweep",
+            "seq_len",
+            "--styles",
+            "upipe,ulysses",
+            "--device-memory-gib",
+            "3.2",
+            "--resolution",
+            "0.2",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
     )
     assert sweep.returncode == 0, sweep.stderr
     longest = json.loads(sweep.stdout)["max_seq_len"]
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
     for style in ("upipe", "ulysses"):
-        fitting = [int(r["seq_len"]) for r in rows if r["cp_style"] == style and r["fits"] == "True"]
-        failing = [int(r["seq_len"]) for r in rows if r["cp_style"] == style and r["fits"] == "False"]
+        fitting = [
+            int(r["seq_len"]) for r in rows if r["cp_style"] == style and r["fits"] == "True"
+        ]
+        failing = [
+            int(r["seq_len"]) for r in rows if r["cp_style"] == style and r["fits"] == "False"
+        ]
         assert longest[style] == max(fitting) and min(failing) > longest[style]
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
 SHORTCUTS = {  # on fake tensors: loops of >= 4 identical iterations run their first two and last
-    "tiles": ["--training.seq_len", str(5 * 16384), "--parallelism.context_parallel_degree", "1",
-              "--memory.tiled_mlp", "true", "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true"],
+    "tiles": [
+        "--training.seq_len",
+        str(5 * 16384),
+        "--parallelism.context_parallel_degree",
+        "1",
+        "--memory.tiled_mlp",
+        "true",
+        "--memory.tiled_rms_norm",
+        "true",
+        "--memory.chunked_loss",
+        "true",
+    ],
     # 8 chunks: 36 query/key chunk pairs per stage; one stage of all heads, as published
-    "fpdt": ["--training.seq_len", "16384", "--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "2048"],
+    "fpdt": [
+        "--training.seq_len",
+        "16384",
+        "--parallelism.cp_style",
+        "fpdt",
+        "--parallelism.fpdt_chunk_tokens",
+        "2048",
+    ],
     # UPipe x FPDT: KV blocks shared by several stages (partial dK/dV parked between them)
     "upipe x fpdt": ["--training.seq_len", "16384", "--parallelism.fpdt_chunk_tokens", "2048"],
 }
 
 
 @pytest.mark.parametrize("loops", SHORTCUTS, ids=list(SHORTCUTS))
-def test_planning_visits_a_few_iterations_and_plans_the_same(tmp_path: Path, monkeypatch, loops: str) -> None:
+def test_planning_visits_a_few_iterations_and_plans_the_same(
+    tmp_path: Path, monkeypatch, loops: str
+) -> None:
     """The tiled ops (MLP, RMSNorm, RoPE, loss; memory/tiling.py) and FPDT's chunk-pair loops plan
     the same device and host memory with the planner's shortcut as with every iteration."""
-    config = parse_args([
-        "--config", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
-        "--training.local_batch_size", "1", "--activation_checkpoint.mode", "full",
-        "--activation_checkpoint.cpu_offload", "true", *SHORTCUTS[loops],
-    ])
+    config = parse_args(
+        [
+            "--config",
+            str(REPO / "recipes/debug_model.toml"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.local_batch_size",
+            "1",
+            "--activation_checkpoint.mode",
+            "full",
+            "--activation_checkpoint.cpu_offload",
+            "true",
+            *SHORTCUTS[loops],
+        ]
+    )
     shortcut = plan_job(config)
     monkeypatch.setattr(tiling, "_every_tile_when_planning", True)
     every_iteration = plan_job(config)
@@ -154,10 +266,16 @@ def test_planning_visits_a_few_iterations_and_plans_the_same(tmp_path: Path, mon
     assert shortcut.host_peak_bytes == every_iteration.host_peak_bytes
 
 
-@pytest.mark.parametrize("recipe,world,gib", [
-    ("llama3_8b_5M", 8, 80), ("llama3_8b_8M", 8, 80), ("llama3_32b_6M", 16, 80),
-    ("llama3_8b_2d_16gpu_12M", 16, 80), ("llama3_8b_h200_13M", 8, 140),
-])
+@pytest.mark.parametrize(
+    "recipe,world,gib",
+    [
+        ("llama3_8b_5M", 8, 80),
+        ("llama3_8b_8M", 8, 80),
+        ("llama3_32b_6M", 16, 80),
+        ("multinode/llama3_8b_2d_16gpu_12M", 16, 80),
+        ("llama3_8b_h200_13M", 8, 140),
+    ],
+)
 def test_headline_recipes_fit_their_gpus_and_2_tib_nodes(recipe: str, world: int, gib: int) -> None:
     """The long-context claims, CUDA allowances included: 8B at 5M and 8M on one node of 8 x 80 GiB,
     the 32B shape at 6M on 16, 8B at 12M on 16 with the 2D (ring x heads) layout, 8B at 13M on

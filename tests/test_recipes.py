@@ -14,25 +14,53 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import ConfigError, check_job, parse_args
-from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.jobs.build import Placement
+from upipe_dtensor.jobs.parallelize import build_meshes
+from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.memory.offload import HostOffload
-from upipe_dtensor.parallelize import build_meshes
-from upipe_dtensor.trainer import Trainer
+from upipe_dtensor.models.hf_config import model_args
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted(p for p in (REPO / "recipes").glob("*.toml") if not p.stem.endswith("_base"))
+RECIPES = sorted(
+    p
+    for p in (REPO / "recipes").rglob("*.toml")
+    if not p.stem.endswith("_base") and p.stem != "debug_model"
+)
 
 # Meta's config.json of Llama-3.1-8B, as published with its weights.
 LLAMA_31_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
 }
 
 
@@ -50,9 +78,13 @@ def _llama_31_8b_folder(folder: Path) -> str:
 def test_recipe_table_is_complete() -> None:
     names = {p.stem for p in RECIPES}
     for length in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"):
-        assert {f"llama3_8b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")} <= names
+        assert {
+            f"llama3_8b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")
+        } <= names
     for length in ("1M", "2M", "4M"):
-        assert {f"llama3_32b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")} <= names
+        assert {
+            f"llama3_32b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")
+        } <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
@@ -62,15 +94,26 @@ def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
         extra = ["--model.hf_assets_path", _llama_31_8b_folder(tmp_path / "Llama-3.1-8B")]
     # Nothing is saved (as in the planner): the start-up disk check would otherwise ask for room
     # for a full-size snapshot (90 GiB for 8B) on the test machine.
-    config = parse_args(["--config", str(recipe), "--job.dump_folder", str(tmp_path), *extra,
-                         "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"])
+    config = parse_args(
+        [
+            "--config",
+            str(recipe),
+            "--job.dump_folder",
+            str(tmp_path),
+            *extra,
+            "--checkpoint.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
     world = config.parallelism.context_parallel_degree
     dp = check_job(config, world)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         meshes = build_meshes("cpu", dp, world, config.parallelism.ring_degree)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            trainer = Trainer(config, meshes=meshes)
+            trainer = Trainer(config, placement=Placement(meshes=meshes))
         assert trainer.model.model_args.max_seq_len == config.training.seq_len
         assert isinstance(trainer.host_offload, HostOffload)  # every recipe offloads block inputs
         assert trainer.model.loss_chunk_tokens == config.memory.loss_chunk_tokens
@@ -80,12 +123,22 @@ def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
 
 def test_extension_recipe_names_the_missing_weights(tmp_path: Path) -> None:
     config = parse_args(["--config", str(REPO / "recipes/llama3_8b_extend_1M.toml")])
-    with pytest.raises(ConfigError, match=r"initial_load_in_hf needs a Hugging Face folder: set "
-                                          r"\[checkpoint\] initial_load_path or \[model\] hf_assets_path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"initial_load_in_hf needs a Hugging Face folder: set "
+        r"\[checkpoint\] initial_load_path or \[model\] hf_assets_path",
+    ):
         check_job(config, 8)
     args = model_args(
-        parse_args(["--config", str(REPO / "recipes/llama3_8b_extend_5M.toml"),
-                    "--model.hf_assets_path", _llama_31_8b_folder(tmp_path / "hf")]).model, 5 * 2**20
+        parse_args(
+            [
+                "--config",
+                str(REPO / "recipes/llama3_8b_extend_5M.toml"),
+                "--model.hf_assets_path",
+                _llama_31_8b_folder(tmp_path / "hf"),
+            ]
+        ).model,
+        5 * 2**20,
     )
     assert (args.rope_theta, args.rope_scaling_args.scaling_factor) == (500000.0, 320.0)
     assert args.rope_scaling_args.original_max_position_embeddings == 8192

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import rel_err
+
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm, tiled_rms_norm
-from upipe_dtensor.memory.tracker import LiveMemoryTracker
+from upipe_dtensor.planning.tracker import LiveMemoryTracker
+
+pytestmark = pytest.mark.unit
 
 
 def _both(x: torch.Tensor, weight: torch.Tensor, tile: int, grad: torch.Tensor):
     results = []
-    for fn in (lambda a, w: tiled_rms_norm(a, w, 1e-5, tile), lambda a, w: torch.rms_norm(a, [a.shape[-1]], w, 1e-5)):
+    for fn in (
+        lambda a, w: tiled_rms_norm(a, w, 1e-5, tile),
+        lambda a, w: torch.rms_norm(a, [a.shape[-1]], w, 1e-5),
+    ):
         a, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
         out = fn(a, w)
         out.backward(grad)
@@ -22,7 +27,9 @@ def _both(x: torch.Tensor, weight: torch.Tensor, tile: int, grad: torch.Tensor):
     return results
 
 
-@pytest.mark.parametrize("shape,tile", [((2, 37, 64), 10), ((1, 5, 32), 100), ((3, 64, 128), 64), ((40, 16), 1)])
+@pytest.mark.parametrize(
+    "shape,tile", [((2, 37, 64), 10), ((1, 5, 32), 100), ((3, 64, 128), 64), ((40, 16), 1)]
+)
 def test_float32_equals_torch(shape: tuple, tile: int) -> None:
     torch.manual_seed(0)
     x, weight, grad = torch.randn(shape), torch.randn(shape[-1]) * 0.1 + 1, torch.randn(shape)
@@ -58,8 +65,10 @@ def test_no_full_size_float32_intermediates() -> None:
     x = torch.randn(8192, 256, dtype=torch.bfloat16, requires_grad=True)  # 4 MiB in bf16
     weight = torch.ones(256, dtype=torch.bfloat16, requires_grad=True)
     peaks = {}
-    for name, fn in (("tiled", lambda: tiled_rms_norm(x, weight, 1e-5, 256)),
-                     ("plain", lambda: torch.rms_norm(x, [256], weight, 1e-5))):
+    for name, fn in (
+        ("tiled", lambda: tiled_rms_norm(x, weight, 1e-5, 256)),
+        ("plain", lambda: torch.rms_norm(x, [256], weight, 1e-5)),
+    ):
         tracker = LiveMemoryTracker()
         with transparent_ops(), tracker:
             tracker.start_step()

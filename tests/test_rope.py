@@ -6,15 +6,17 @@ import dataclasses
 
 import pytest
 import torch
+from harness import rel_err
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.model import precompute_freqs_cis
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from harness import rel_err
 from upipe_dtensor.kernels import rope
 from upipe_dtensor.kernels.rope import rope_frequencies, rope_table
 from upipe_dtensor.models import FLAVORS, Llama3
+
+pytestmark = pytest.mark.unit
 
 # Llama 3.1's scaling, and one with a short original context so that all three bands (kept,
 # interpolated, slowed down) hold frequencies of a head_dim-32 model.
@@ -38,8 +40,9 @@ def test_frequencies_equal_transformers(name: str) -> None:
             high_freq_factor=scaling.high_freq_factor,
             original_max_position_embeddings=scaling.original_max_position_embeddings,
         )
-    config = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=head_dim,
-                         rope_parameters=rope_parameters)
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=2, head_dim=head_dim, rope_parameters=rope_parameters
+    )
     if scaling.scaling_factor == 1:
         expected = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
     else:
@@ -59,7 +62,9 @@ def test_angles_equal_torchtitans_table(monkeypatch, batched: bool) -> None:
     monkeypatch.setattr(rope, "TILE_TOKENS", 7)  # several tiles, the last one partial
     theta, scaling = SCALINGS["three-bands"]
     table = precompute_freqs_cis(32, 4096, theta, scaling)
-    positions = torch.randint(0, 4096, (2, 40) if batched else (40,), generator=torch.Generator().manual_seed(0))
+    positions = torch.randint(
+        0, 4096, (2, 40) if batched else (40,), generator=torch.Generator().manual_seed(0)
+    )
     ours = rope_table(rope_frequencies(32, theta, scaling), positions)
     expected = rope_table(table, positions)  # torchtitan's complex rows, as real (cos, sin)
     assert ours.shape == expected.shape == (*positions.shape, 16, 2) and ours.dtype == torch.float32

@@ -8,12 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from harness import tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from harness import tiny_llama
 from upipe_dtensor import RingAttention, UlyssesAttention, UPipeAttention
+from upipe_dtensor.parallel.layouts import two_d_positions
+
+pytestmark = pytest.mark.unit
 
 WORLD = 8
 
@@ -31,7 +34,9 @@ def _apply(model, style, shape=(WORLD,), names=None, path="layers.*.attention"):
 
 
 def test_heads_per_stage_must_divide_heads(fake_world) -> None:
-    with pytest.raises(ValueError, match=r"n_heads=32 is not divisible by heads_per_stage=12.*\[8, 16, 32\]"):
+    with pytest.raises(
+        ValueError, match=r"n_heads=32 is not divisible by heads_per_stage=12.*\[8, 16, 32\]"
+    ):
         _apply(tiny_llama(32, 8, seq_len=64), UPipeAttention(heads_per_stage=12))
 
 
@@ -44,10 +49,36 @@ def test_mesh_dimensions_are_checked(fake_world) -> None:
     with pytest.raises(ValueError, match=r"1-D context-parallel mesh.*mesh\['cp'\]"):
         _apply(tiny_llama(8, 8, seq_len=64), RingAttention(), shape=(2, 4), names=("dp", "cp"))
     with pytest.raises(ValueError, match=r"1-D or 2-D context-parallel mesh"):
-        _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention(), shape=(2, 2, 2), names=("a", "b", "c"))
+        _apply(
+            tiny_llama(8, 8, seq_len=64), UPipeAttention(), shape=(2, 2, 2), names=("a", "b", "c")
+        )
     # A 2-D mesh is (ring, heads) for UPipe: the (dp, cp) world mesh by mistake is refused.
     with pytest.raises(ValueError, match=r"must be \('cp_ring', 'cp_heads'\).*got \('dp', 'cp'\)"):
         _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention(), shape=(2, 4), names=("dp", "cp"))
+
+
+def test_layout_is_known_before_apply_or_refused(fake_world) -> None:
+    """shard_positions never returns a layout for the wrong mesh: the ring degree is given at
+    construction (and checked against the mesh), or the call before parallelize_module raises."""
+    with pytest.raises(ValueError, match=r"ring degree.*after parallelize_module.*ring_degree=R"):
+        UPipeAttention().shard_positions(64, 0, WORLD)
+    style = UPipeAttention(ring_degree=2)
+    before = style.shard_positions(64, 5, WORLD)
+    assert torch.equal(before, two_d_positions(64, 5, WORLD, 2))
+    _apply(tiny_llama(8, 8, seq_len=64), style, shape=(2, 4), names=("cp_ring", "cp_heads"))
+    assert torch.equal(style.shard_positions(64, 5, WORLD), before)
+    learned = UPipeAttention()  # no ring degree given: the mesh says it
+    _apply(tiny_llama(8, 8, seq_len=64), learned, shape=(2, 4), names=("cp_ring", "cp_heads"))
+    assert torch.equal(learned.shard_positions(64, 5, WORLD), before)
+    with pytest.raises(
+        ValueError, match=r"ring_degree=1\) applied to a mesh whose ring axis has 2"
+    ):
+        _apply(
+            tiny_llama(8, 8, seq_len=64),
+            UlyssesAttention(ring_degree=1),
+            shape=(2, 4),
+            names=("cp_ring", "cp_heads"),
+        )
 
 
 def test_applies_only_to_llama_attention(fake_world) -> None:

@@ -12,14 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from functorch.compile import make_boxed_func
+from harness import rel_err
 from torch._dynamo.backends.common import aot_autograd
 from torch.profiler import ProfilerActivity, profile
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import FeedForward, Transformer
 
-from harness import rel_err
 from upipe_dtensor.memory import tiled_mlp
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp, tiled_swiglu
+
+pytestmark = pytest.mark.unit
 
 
 def _weights(dim: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -45,11 +47,11 @@ def _run(fn, x, weights, grad):
 
 SHAPES = [
     # (leading dims, D, F, tile_tokens)
-    ((1, 40), 16, 48, 16),    # 40 tokens in tiles of 16: last tile partial
-    ((3, 10), 16, 48, 7),     # batch > 1, 30 tokens, tile 7
-    ((2, 8), 32, 96, 64),     # 16 tokens: one tile bigger than the input
-    ((2, 8), 32, 96, 16),     # exactly one tile
-    ((24,), 8, 24, 1),        # 2-D input, one token per tile
+    ((1, 40), 16, 48, 16),  # 40 tokens in tiles of 16: last tile partial
+    ((3, 10), 16, 48, 7),  # batch > 1, 30 tokens, tile 7
+    ((2, 8), 32, 96, 64),  # 16 tokens: one tile bigger than the input
+    ((2, 8), 32, 96, 16),  # exactly one tile
+    ((24,), 8, 24, 1),  # 2-D input, one token per tile
 ]
 
 
@@ -138,6 +140,7 @@ def test_compiled_block_matches_eager_with_the_op_kept_whole() -> None:
         def compiler(gm, example_inputs):
             graphs[kind] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
             return make_boxed_func(gm.forward)
+
         return compiler
 
     eager = run(block)
@@ -196,14 +199,17 @@ def test_tiling_bounds_peak_memory() -> None:
             fn(x, *weights).backward(grad)
             for t in (x, *weights):
                 t.grad = None
+
         return go
 
     untiled = step(_plain)
     tiled = step(lambda *a: tiled_swiglu(*a, tile_tokens=256))
     untiled(), tiled()  # warm up lazily initialised kernels outside the measurement
     peak_untiled, peak_tiled = _peak_bytes(untiled), _peak_bytes(tiled)
-    print(f"\npeak extra bytes, forward+backward: untiled {peak_untiled / 2**20:.1f} MiB, "
-          f"tiled (256-token tiles) {peak_tiled / 2**20:.1f} MiB")
+    print(
+        f"\npeak extra bytes, forward+backward: untiled {peak_untiled / 2**20:.1f} MiB, "
+        f"tiled (256-token tiles) {peak_tiled / 2**20:.1f} MiB"
+    )
     hidden_tensor = tokens * hidden * 4
     assert peak_untiled > 4 * hidden_tensor  # the plain path really holds several N x F tensors
     assert peak_tiled < 0.5 * peak_untiled
@@ -225,7 +231,9 @@ class _GeluMLP(FeedForward):
 def test_rejects_non_swiglu_modules() -> None:
     model = _tiny_llama()
     model.layers["1"].feed_forward = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    with pytest.raises(ValueError, match=r"layers\.1\.feed_forward is Sequential.*tiled_mlp = false"):
+    with pytest.raises(
+        ValueError, match=r"layers\.1\.feed_forward is Sequential.*tiled_mlp = false"
+    ):
         apply_tiled_mlp(model)
     assert "forward" not in vars(model.layers["0"].feed_forward)  # nothing half-applied
 

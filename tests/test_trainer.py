@@ -7,28 +7,41 @@ import json
 from pathlib import Path
 
 import pytest
-
 from harness import run_on_ranks
+
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.trainer import Trainer
+from upipe_dtensor.jobs.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 
 
 def _config(dump: Path, cp: int, extra: list[str]):
-    return parse_args([
-        "--config", str(REPO / "train_configs/debug_model.toml"),
-        "--job.dump_folder", str(dump),
-        "--training.seq_len", "64",
-        "--training.local_batch_size", "2",
-        "--training.steps", str(STEPS),
-        "--lr_scheduler.warmup_steps", "2",
-        "--parallelism.context_parallel_degree", str(cp),
-        "--checkpoint.interval", "2",
-        "--metrics.log_freq", "100",
-        *extra,
-    ])
+    return parse_args(
+        [
+            "--config",
+            str(REPO / "recipes/debug_model.toml"),
+            "--job.dump_folder",
+            str(dump),
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            str(STEPS),
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--parallelism.context_parallel_degree",
+            str(cp),
+            "--checkpoint.interval",
+            "2",
+            "--metrics.log_freq",
+            "100",
+            *extra,
+        ]
+    )
 
 
 class _Killed(RuntimeError):
@@ -57,7 +70,9 @@ def _train(rank: int, world: int, dump: str, extra: list[str], kill_at: int, out
         Path(out).write_text(json.dumps(losses))
 
 
-def _losses(tmp: Path, name: str, cp: int, extra: list[str] = (), kill_at: int = 0, dump: Path | None = None) -> list[float]:
+def _losses(
+    tmp: Path, name: str, cp: int, extra: list[str] = (), kill_at: int = 0, dump: Path | None = None
+) -> list[float]:
     out = tmp / f"{name}.json"
     run_on_ranks(cp, _train, str(dump or tmp / name), list(extra), kill_at, str(out))
     return [] if kill_at else json.loads(out.read_text())
@@ -76,20 +91,44 @@ def _assert_close(actual: list[float], expected: list[float], tol: float = 1e-5)
 
 
 MEMORY_STACK = [
-    "--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
-    "--memory.tiled_mlp", "true", "--memory.tiled_rms_norm", "true", "--memory.chunked_loss", "true",
+    "--activation_checkpoint.mode",
+    "full",
+    "--activation_checkpoint.cpu_offload",
+    "true",
+    "--memory.tiled_mlp",
+    "true",
+    "--memory.tiled_rms_norm",
+    "true",
+    "--memory.chunked_loss",
+    "true",
 ]
 RING = ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"]
-FPDT = ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "16"]  # 4 chunks per rank
+FPDT = [
+    "--parallelism.cp_style",
+    "fpdt",
+    "--parallelism.fpdt_chunk_tokens",
+    "16",
+]  # 4 chunks per rank
 
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"], ["--compile.enable", "true"],
-     RING + MEMORY_STACK, FPDT + MEMORY_STACK + ["--compile.enable", "true"],
-     ["--parallelism.fpdt_chunk_tokens", "16"] + MEMORY_STACK],
-    ids=["upipe", "ulysses", "upipe-compiled", "ring-memory-stack", "fpdt-memory-stack-compiled",
-         "upipe-x-fpdt-memory-stack"],
+    [
+        [],
+        ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"],
+        ["--compile.enable", "true"],
+        RING + MEMORY_STACK,
+        FPDT + MEMORY_STACK + ["--compile.enable", "true"],
+        ["--parallelism.fpdt_chunk_tokens", "16"] + MEMORY_STACK,
+    ],
+    ids=[
+        "upipe",
+        "ulysses",
+        "upipe-compiled",
+        "ring-memory-stack",
+        "fpdt-memory-stack-compiled",
+        "upipe-x-fpdt-memory-stack",
+    ],
 )
 def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]) -> None:
     _assert_close(_losses(tmp_path, "cp2", 2, extra), reference)
@@ -123,7 +162,9 @@ def test_resume_with_another_style(tmp_path: Path, reference: list[float]) -> No
     _assert_close(_losses(tmp_path, "second", 2, FPDT, dump=dump), reference[2:])
 
 
-def test_gradient_accumulation_equals_the_whole_batch(tmp_path: Path, reference: list[float]) -> None:
+def test_gradient_accumulation_equals_the_whole_batch(
+    tmp_path: Path, reference: list[float]
+) -> None:
     """Two micro-batches of 1 sequence see the same 2 sequences as one batch of 2 (packed data)."""
     extra = ["--training.local_batch_size", "1", "--training.gradient_accumulation_steps", "2"]
     _assert_close(_losses(tmp_path, "accum", 1, extra), reference)

@@ -1,5 +1,18 @@
-"""upipe-dtensor: UPipe (headwise-chunked Ulysses) context parallelism for PyTorch-native training."""
+"""upipe-dtensor: UPipe (headwise-chunked Ulysses) context parallelism for PyTorch-native
+training."""
 
-from .parallel import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
+from upipe_dtensor.parallel import (
+    ContextParallelAttention,
+    FPDTAttention,
+    RingAttention,
+    UlyssesAttention,
+    UPipeAttention,
+)
 
-__all__ = ["UPipeAttention", "UlyssesAttention", "RingAttention", "FPDTAttention"]
+__all__ = [
+    "ContextParallelAttention",
+    "UPipeAttention",
+    "UlyssesAttention",
+    "RingAttention",
+    "FPDTAttention",
+]

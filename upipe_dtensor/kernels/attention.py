@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -124,8 +124,17 @@ def _dense_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, 
     if q.is_cuda:  # aten's flash kernel: (B, S, h, d) in and out; K/V repeated to the query heads
         n_rep = q.shape[2] // k.shape[2]
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), None, None, q.shape[1], k.shape[1],
-            0.0, causal, False, scale=scale,
+            q,
+            _repeat_kv(k, n_rep),
+            _repeat_kv(v, n_rep),
+            None,
+            None,
+            q.shape[1],
+            k.shape[1],
+            0.0,
+            causal,
+            False,
+            scale=scale,
         )
         return out, lse
     # The CPU kernel takes grouped K/V as they are.
@@ -136,11 +145,20 @@ def _dense_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, 
 
 
 def _dense_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    scale: float, backend: str, causal: bool,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    backend: str,
+    causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if _PLANNED_CUDA_BACKEND is not None:  # held through the call, as the CUDA kernel holds it
-        workspace = q.new_empty(cuda_backward_workspace_bytes(q, k, _PLANNED_CUDA_BACKEND), dtype=torch.uint8)
+        workspace = q.new_empty(
+            cuda_backward_workspace_bytes(q, k, _PLANNED_CUDA_BACKEND), dtype=torch.uint8
+        )
         grads = _kernel_backward(grad_out, q, k, v, out, lse, scale, backend, causal)
         del workspace
         return grads
@@ -148,29 +166,66 @@ def _dense_backward(
 
 
 def _kernel_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    scale: float, backend: str, causal: bool,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    backend: str,
+    causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "flash":
         from flash_attn.flash_attn_interface import _flash_attn_backward
 
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _flash_attn_backward(
-            grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), dq, dk, dv,
-            0.0, scale, causal, -1, -1, 0.0, None, False,
+            grad_out.contiguous(),
+            q,
+            k,
+            v,
+            out.contiguous(),
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            0.0,
+            scale,
+            causal,
+            -1,
+            -1,
+            0.0,
+            None,
+            False,
         )
         return dq, dk, dv
     if q.is_cuda:
         n_rep = q.shape[2] // k.shape[2]
         rng = _philox_placeholder(q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep),
-            out.contiguous(), lse.contiguous(), None, None, q.shape[1], k.shape[1],
-            0.0, causal, rng, rng, scale=scale,
+            grad_out.contiguous(),
+            q,
+            _repeat_kv(k, n_rep),
+            _repeat_kv(v, n_rep),
+            out.contiguous(),
+            lse.contiguous(),
+            None,
+            None,
+            q.shape[1],
+            k.shape[1],
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
         )
         return dq, _sum_kv_grad(dk, n_rep), _sum_kv_grad(dv, n_rep)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)), lse.contiguous(), 0.0, causal,
+        *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)),
+        lse.contiguous(),
+        0.0,
+        causal,
         scale=scale,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -205,7 +260,9 @@ def _shared_document(q_docs: Tensor, k_docs: Tensor) -> list[tuple[int, int]]:
     return list(zip(queries.tolist(), keys.tolist()))
 
 
-def _varlen_seqlens(segments: list[list[tuple[int, int]]], length: int, device) -> tuple[Tensor, int]:
+def _varlen_seqlens(
+    segments: list[list[tuple[int, int]]], length: int, device
+) -> tuple[Tensor, int]:
     """cu_seqlens over the batch packed row after row, and the longest document."""
     bounds = [row * length + start for row, spans in enumerate(segments) for start, _ in spans]
     bounds.append(len(segments) * length)
@@ -219,7 +276,14 @@ def _flash_varlen_forward(q, k, v, scale, segments):
     batch, length, heads, _ = q.shape
     cu, longest = _varlen_seqlens(segments, length, q.device)
     out, lse, *_ = _flash_attn_varlen_forward(
-        *(t.flatten(0, 1) for t in (q, k, v)), cu, cu, longest, longest, 0.0, scale, True,
+        *(t.flatten(0, 1) for t in (q, k, v)),
+        cu,
+        cu,
+        longest,
+        longest,
+        0.0,
+        scale,
+        True,
     )
     # flash-attn's varlen LSE is (heads, total tokens): back to (B, heads, S).
     return out.view_as(q), lse.view(heads, batch, length).transpose(0, 1)
@@ -234,7 +298,18 @@ def _flash_varlen_backward(grad_out, q, k, v, out, lse, scale, segments):
         *(t.flatten(0, 1) for t in (grad_out.contiguous(), q, k, v, out.contiguous())),
         lse.transpose(0, 1).flatten(1).contiguous(),
         *(t.flatten(0, 1) for t in (dq, dk, dv)),
-        cu, cu, longest, longest, 0.0, scale, True, -1, -1, 0.0, None, False,
+        cu,
+        cu,
+        longest,
+        longest,
+        0.0,
+        scale,
+        True,
+        -1,
+        -1,
+        0.0,
+        None,
+        False,
     )
     return dq, dk, dv
 
@@ -244,21 +319,32 @@ def _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs):
         segments = _segments(q_docs)
         if backend == "flash":
             return _flash_varlen_forward(q, k, v, scale, segments)
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        out, lse = (
+            torch.empty_like(q),
+            q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32),
+        )
         for row, spans in enumerate(segments):
             for start, end in spans:
-                o, l = _dense_forward(*(t[row : row + 1, start:end] for t in (q, k, v)), scale, backend, True)
-                out[row : row + 1, start:end], lse[row : row + 1, :, start:end] = o, l
+                o, lse_part = _dense_forward(
+                    *(t[row : row + 1, start:end] for t in (q, k, v)), scale, backend, True
+                )
+                out[row : row + 1, start:end], lse[row : row + 1, :, start:end] = o, lse_part
         return out, lse
     out = torch.zeros_like(q)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=torch.float32, device=q.device)
+    lse = torch.full(
+        (q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=torch.float32, device=q.device
+    )
     for row, (queries, keys) in enumerate(_shared_document(q_docs, k_docs)):
         if queries:
-            o, l = _dense_forward(
-                q[row : row + 1, :queries], k[row : row + 1, -keys:], v[row : row + 1, -keys:],
-                scale, backend, False,
+            o, lse_part = _dense_forward(
+                q[row : row + 1, :queries],
+                k[row : row + 1, -keys:],
+                v[row : row + 1, -keys:],
+                scale,
+                backend,
+                False,
             )
-            out[row : row + 1, :queries], lse[row : row + 1, :, :queries] = o, l
+            out[row : row + 1, :queries], lse[row : row + 1, :, :queries] = o, lse_part
     return out, lse
 
 
@@ -271,7 +357,9 @@ def _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_do
         for row, spans in enumerate(segments):
             for start, end in spans:
                 piece = (t[row : row + 1, start:end] for t in (grad_out, q, k, v, out))
-                grads = _dense_backward(*piece, lse[row : row + 1, :, start:end], scale, backend, True)
+                grads = _dense_backward(
+                    *piece, lse[row : row + 1, :, start:end], scale, backend, True
+                )
                 for grad, target in zip(grads, (dq, dk, dv)):
                     target[row : row + 1, start:end] = grad
         return dq, dk, dv
@@ -280,8 +368,15 @@ def _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_do
         if queries:
             rows = slice(row, row + 1)
             grads = _dense_backward(
-                grad_out[rows, :queries], q[rows, :queries], k[rows, -keys:], v[rows, -keys:],
-                out[rows, :queries], lse[rows, :, :queries], scale, backend, False,
+                grad_out[rows, :queries],
+                q[rows, :queries],
+                k[rows, -keys:],
+                v[rows, -keys:],
+                out[rows, :queries],
+                lse[rows, :, :queries],
+                scale,
+                backend,
+                False,
             )
             dq[rows, :queries], dk[rows, -keys:], dv[rows, -keys:] = grads
     return dq, dk, dv
@@ -291,20 +386,40 @@ def _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_do
 
 
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, *,
-    causal: bool = True, q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    backend: str,
+    *,
+    causal: bool = True,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of one block (module docstring); returns (out (B,Sq,hq,d), lse (B,hq,Sq) float32)."""
+    """Attention of one block (module docstring); returns (out (B,Sq,hq,d), lse (B,hq,Sq)
+    float32)."""
     if _documents_given(q, q_docs, k_docs):
         return _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs)
     return _dense_forward(q, k, v, scale, backend, causal)
 
 
 def attention_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-    backend: str, *, causal: bool = True, q_docs: Tensor | None = None, k_docs: Tensor | None = None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    backend: str,
+    *,
+    causal: bool = True,
+    q_docs: Tensor | None = None,
+    k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. q, k, v of one block, from the (final, merged) out and lse."""
     if _documents_given(q, q_docs, k_docs):
-        return _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_docs, k_docs)
+        return _document_backward(
+            grad_out, q, k, v, out, lse, scale, backend, causal, q_docs, k_docs
+        )
     return _dense_backward(grad_out, q, k, v, out, lse, scale, backend, causal)

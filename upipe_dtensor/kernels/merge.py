@@ -18,7 +18,8 @@ class PartialAttention:
     """The running (out, lse) of one block of queries, in float32."""
 
     def __init__(self, out: Tensor, lse: Tensor) -> None:
-        # Updated in place: a float32 block output (fresh from the kernel) is taken over, not copied.
+        # Updated in place: a float32 block output (fresh from the kernel) is taken over, not
+        # copied.
         self.out = out.float()
         self.lse = lse.float().clone()  # updated in place, slice by slice
 

@@ -10,8 +10,9 @@ dispatch modes (the memory planner's tracker, FakeTensorMode). Numbers are ident
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from ..memory.tiling import tile_starts
+from upipe_dtensor.kernels.tiling import tile_starts
 
 TILE_TOKENS = 16384
 """Tokens rotated (or given angles) at a time: the float32/float64 temporaries of one tile, not of

@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.op_mode import OpSpec, call
-from .tiling import tile_starts
+from upipe_dtensor.kernels.op_mode import OpSpec, call
+from upipe_dtensor.kernels.tiling import tile_starts
 
 
 def _loss_and_grads(
@@ -81,7 +81,11 @@ def _chunked_ce_fwd(
 
 @_chunked_ce_fwd.register_fake
 def _(h, weight, labels, chunk_tokens, ignore_index):
-    return h.new_empty((), dtype=torch.float32), h.new_empty(h.shape), weight.new_empty(weight.shape)
+    return (
+        h.new_empty((), dtype=torch.float32),
+        h.new_empty(h.shape),
+        weight.new_empty(weight.shape),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:

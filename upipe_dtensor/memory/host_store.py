@@ -2,7 +2,8 @@
 
 Shared by the activation offload (block inputs parked during forward, fetched in backward) and by
 FPDT's chunk offload (earlier K/V chunks parked, fetched one at a time). On CUDA the copies run on
-side streams into pinned buffers pooled by shape (pinned at their exact size), and a fetch can be started early
+side streams into pinned buffers pooled by shape (pinned at their exact size), and a fetch can be
+started early
 (``prefetch``) so it overlaps compute; ``retrieve`` then only waits for it. On CPU the same code
 runs with plain copies. ``host_device`` may be a stand-in (the memory planner uses ``meta``), so
 host memory is counted apart from device memory; ``host_bytes`` / ``peak_host_bytes`` report what
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
 _PINNED: list[Tensor] = []
 """Page-locked buffers live as long as the process (they are pooled and reused, as torch's own
 pinned cache keeps its blocks), so they are never freed while registered with CUDA."""
@@ -32,7 +32,9 @@ def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> Tensor:
     buffer = torch.empty(shape, dtype=dtype)
     if buffer.nbytes:
         try:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0))
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+            )
         except RuntimeError as err:
             raise RuntimeError(
                 f"pinning {buffer.nbytes / 2**30:.2f} GiB of host memory for the offload failed "
@@ -57,7 +59,9 @@ class Parked:
 class HostStore:
     """Parks tensors of ``device`` in ``host_device`` memory; see the module docstring."""
 
-    def __init__(self, device: torch.device, host_device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self, device: torch.device, host_device: torch.device = torch.device("cpu")
+    ) -> None:
         self.device, self.host_device = device, host_device
         self.host_bytes = self.peak_host_bytes = 0
         self._pool: dict[tuple, list[Tensor]] = {}

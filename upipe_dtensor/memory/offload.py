@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
-from .host_store import HostStore, Parked
+from upipe_dtensor.memory.host_store import HostStore, Parked
 
 
 @dataclass
@@ -46,7 +46,10 @@ class HostOffload:
     """
 
     def __init__(
-        self, device: torch.device, host_device: torch.device = torch.device("cpu"), *,
+        self,
+        device: torch.device,
+        host_device: torch.device = torch.device("cpu"),
+        *,
         prefetch: bool = True,
     ) -> None:
         self.store = HostStore(device, host_device)
@@ -63,7 +66,9 @@ class HostOffload:
         return self.store.peak_host_bytes
 
     def pack(self, tensor: torch.Tensor):
-        if tensor.device != self.store.device or not (tensor.requires_grad or tensor.grad_fn is not None):
+        if tensor.device != self.store.device or not (
+            tensor.requires_grad or tensor.grad_fn is not None
+        ):
             return tensor  # a constant (RoPE table, positions) or already on the host
         handle = _Offloaded(self.store.park(tensor), index=len(self._in_flight))
         self._in_flight.append(handle)
@@ -73,7 +78,9 @@ class HostOffload:
         if not isinstance(handle, _Offloaded):
             return handle
         self.store.prefetch(handle.parked)  # queued first: it is needed now
-        if self.prefetch and handle.index > 0:  # backward runs blocks in reverse: the previous one is next
+        if (
+            self.prefetch and handle.index > 0
+        ):  # backward runs blocks in reverse: the previous one is next
             self.store.prefetch(self._in_flight[handle.index - 1].parked)
         tensor = self.store.retrieve(handle.parked, release=True)
         if handle.index == 0:
@@ -109,7 +116,10 @@ class CheckpointGroup:
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, *, offload: HostOffload | None, offload_skip_last: int,
+    model: nn.Module,
+    *,
+    offload: HostOffload | None,
+    offload_skip_last: int,
     blocks_per_checkpoint: int = 1,
 ) -> None:
     """Full activation checkpointing; offload the saved inputs of all blocks but the last
@@ -129,14 +139,17 @@ def apply_activation_checkpointing(
         for position, name in enumerate(names):
             use_offload = offload if position < len(names) - offload_skip_last else None
             model.layers[name] = checkpoint_wrapper(
-                model.layers[name], checkpoint_fn=functools.partial(_checkpoint_fn, offload=use_offload)
+                model.layers[name],
+                checkpoint_fn=functools.partial(_checkpoint_fn, offload=use_offload),
             )
         return
     groups = []
     for first in range(0, len(names), blocks_per_checkpoint):
         group = names[first : first + blocks_per_checkpoint]
         for name in group[:-1]:  # recomputed again inside the group's recompute
-            model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_fn=_checkpoint_fn)
+            model.layers[name] = checkpoint_wrapper(
+                model.layers[name], checkpoint_fn=_checkpoint_fn
+            )
         keep_on_device = first + len(group) > len(names) - offload_skip_last
         groups.append(CheckpointGroup(group, None if keep_on_device else offload))
     model.checkpoint_groups = groups

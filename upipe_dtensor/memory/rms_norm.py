@@ -19,11 +19,13 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from ..kernels.op_mode import OpSpec, call
-from .tiling import tile_starts
+from upipe_dtensor.kernels.op_mode import OpSpec, call
+from upipe_dtensor.kernels.tiling import tile_starts
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> tuple[Tensor, Tensor]:
+def rms_norm_forward(
+    x: Tensor, weight: Tensor, eps: float, tile_tokens: int
+) -> tuple[Tensor, Tensor]:
     """(y, rstd): the normalised ``x`` (same shape and dtype) and its float32 (N, 1) rstd."""
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty_like(flat)
@@ -52,7 +54,9 @@ def rms_norm_backward(
         grad_normed = grad * weight.float()
         # d/dx of x * r with r = (mean(x^2) + eps)^-1/2:  r * g - x * r^3 * mean(g * x)
         mean_gx = (grad_normed * tile).mean(-1, keepdim=True)
-        grad_x[start : start + tile_tokens] = (r * grad_normed - tile * r.pow(3) * mean_gx).to(x.dtype)
+        grad_x[start : start + tile_tokens] = (r * grad_normed - tile * r.pow(3) * mean_gx).to(
+            x.dtype
+        )
     return grad_x.view_as(x), grad_weight.to(weight.dtype)
 
 

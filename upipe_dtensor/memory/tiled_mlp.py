@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchtitan.models.llama3.model.model import FeedForward
 
-from ..kernels.op_mode import OpSpec, call
-from .tiling import tile_starts
+from upipe_dtensor.kernels.op_mode import OpSpec, call
+from upipe_dtensor.kernels.tiling import tile_starts
 
 
 def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -115,7 +115,12 @@ def _tiled_swiglu_bwd(
 
 @_tiled_swiglu_bwd.register_fake
 def _(grad_out, x, w1, w2, w3, tile_tokens):
-    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), w3.new_empty(w3.shape)
+    return (
+        x.new_empty(x.shape),
+        w1.new_empty(w1.shape),
+        w2.new_empty(w2.shape),
+        w3.new_empty(w3.shape),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from .llama3 import FLAVORS, Llama3Args
+from upipe_dtensor.models.llama3 import FLAVORS, Llama3Args
 
 HF_FLAVOR = "hf"
 """``[model] flavor`` value that reads the shape from ``hf_assets_path/config.json``."""
@@ -71,7 +71,8 @@ _UNSUPPORTED = {  # config.json field: the only value our Llama3 implements
 
 
 def args_from_hf(config: dict[str, Any], source: str) -> Llama3Args:
-    """The ``Llama3Args`` of a Hugging Face Llama ``config.json`` (``source`` names it in errors)."""
+    """The ``Llama3Args`` of a Hugging Face Llama ``config.json`` (``source`` names it in
+    errors)."""
     if config.get("model_type") != "llama":
         raise ValueError(
             f"{source}: model_type = {config.get('model_type')!r}; only Llama-architecture "
@@ -79,9 +80,20 @@ def args_from_hf(config: dict[str, Any], source: str) -> Llama3Args:
         )
     for key, supported in _UNSUPPORTED.items():
         if config.get(key, supported) != supported:
-            raise ValueError(f"{source}: {key} = {config[key]!r} is not supported (only {supported!r})")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if k not in config]
+            raise ValueError(
+                f"{source}: {key} = {config[key]!r} is not supported (only {supported!r})"
+            )
+    missing = [
+        k
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        if k not in config
+    ]
     if missing:
         raise ValueError(f"{source}: missing {missing}; is this a Llama config.json?")
     theta, scaling = _rope_from_hf(config, source)
@@ -164,7 +176,9 @@ def model_args(model_config, seq_len: int) -> Llama3Args:
             f"[model] RoPE scaling needs rope_low_freq_factor < rope_high_freq_factor, got "
             f"{scaling.low_freq_factor} and {scaling.high_freq_factor}"
         )
-    return dataclasses.replace(args, rope_theta=theta, rope_scaling_args=scaling, max_seq_len=seq_len)
+    return dataclasses.replace(
+        args, rope_theta=theta, rope_scaling_args=scaling, max_seq_len=seq_len
+    )
 
 
 def _check_flavor(flavor: str, args: Llama3Args, hf_path: str, overrides: dict[str, Any]) -> None:
@@ -199,21 +213,31 @@ def hf_config_for(args: Llama3Args, base: dict[str, Any] | None = None) -> dict[
     scaling = args.rope_scaling_args
     config = dict(base or {})
     config.pop("rope_parameters", None)  # replaced by rope_theta + rope_scaling below
-    config.update({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        **{key: value for key, value in _shape(args).items() if not key.startswith("rope_scaling.")},
-        "rope_scaling": None if scaling.scaling_factor == 1 else {
-            "rope_type": "llama3",
-            "factor": scaling.scaling_factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        },
-    })
-    config["max_position_embeddings"] = max(config.get("max_position_embeddings", 0), args.max_seq_len)
+    config.update(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            **{
+                key: value
+                for key, value in _shape(args).items()
+                if not key.startswith("rope_scaling.")
+            },
+            "rope_scaling": None
+            if scaling.scaling_factor == 1
+            else {
+                "rope_type": "llama3",
+                "factor": scaling.scaling_factor,
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            },
+        }
+    )
+    config["max_position_embeddings"] = max(
+        config.get("max_position_embeddings", 0), args.max_seq_len
+    )
     return config

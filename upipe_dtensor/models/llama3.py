@@ -14,8 +14,8 @@ applies (cp = 1 included); torchtitan's own attention expects the table.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,8 @@ from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import FeedForward, Transformer
 
-from ..kernels.rope import rope_frequencies
-from ..memory.chunked_loss import chunked_cross_entropy_sum
+from upipe_dtensor.kernels.rope import rope_frequencies
+from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
 
 IGNORE_INDEX = -100
 EVAL_CHUNK_TOKENS = 4096
@@ -61,7 +61,10 @@ FLAVORS: dict[str, Llama3Args] = {
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, rope_theta=500000
     ),
     "8B": Llama3Args(
-        **{f.name: getattr(llama3_args["8B"], f.name) for f in dataclasses.fields(TransformerModelArgs)}
+        **{
+            f.name: getattr(llama3_args["8B"], f.name)
+            for f in dataclasses.fields(TransformerModelArgs)
+        }
     ),
     # The UPipe paper's "32B": 64 layers, dim 5120, 64 query / 8 KV heads of 128, FFN 25600.
     "32B": Llama3Args(
@@ -125,7 +128,13 @@ class Llama3(Transformer):
         h = self.tok_embeddings(tokens)
         if self.checkpoint_groups:
             for group in self.checkpoint_groups:
-                h = group(self.layers, h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
+                h = group(
+                    self.layers,
+                    h,
+                    self.freqs_cis,
+                    attention_masks=attention_masks,
+                    positions=positions,
+                )
         else:
             for layer in self.layers.values():
                 h = layer(h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
@@ -136,11 +145,18 @@ class Llama3(Transformer):
             return self._token_losses(h, labels)
         if self.loss_chunk_tokens:
             return chunked_cross_entropy_sum(
-                h, self.output.weight, labels, chunk_tokens=self.loss_chunk_tokens, ignore_index=IGNORE_INDEX
+                h,
+                self.output.weight,
+                labels,
+                chunk_tokens=self.loss_chunk_tokens,
+                ignore_index=IGNORE_INDEX,
             )
         logits = self.output(h)
         return F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits.flatten(0, 1).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
 
     def _token_losses(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -151,7 +167,10 @@ class Llama3(Transformer):
         for start in range(0, labels_flat.shape[0], chunk):
             logits = self.output(h_flat[start : start + chunk]).float()
             losses[start : start + chunk] = F.cross_entropy(
-                logits, labels_flat[start : start + chunk], ignore_index=IGNORE_INDEX, reduction="none"
+                logits,
+                labels_flat[start : start + chunk],
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
             )
         return losses.view(labels.shape)
 
@@ -219,7 +238,9 @@ def init_sharded_weights(model: Llama3, *, seed: int, device: torch.device) -> N
 def _copy_shards(target: nn.Module, source: nn.Module) -> None:
     """target.param <- this rank's shard of source.param, for every parameter of ``source``."""
     # Checkpoint wrappers nest the block one level down; state dicts hide that, so do we.
-    params = {name.replace(f"{_CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()}
+    params = {
+        name.replace(f"{_CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()
+    }
     for name, full in source.named_parameters():
         param = params[name]
         if isinstance(param, DTensor):

@@ -1,5 +1,18 @@
-"""Context-parallel attention: layouts, the all-to-all, the ring, the UPipe and FPDT ops, and the ParallelStyles."""
+"""Context-parallel attention: layouts, the all-to-all, the ring, the UPipe and FPDT ops, and the
+ParallelStyles."""
 
-from .style import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
+from upipe_dtensor.parallel.style import (
+    ContextParallelAttention,
+    FPDTAttention,
+    RingAttention,
+    UlyssesAttention,
+    UPipeAttention,
+)
 
-__all__ = ["UPipeAttention", "UlyssesAttention", "RingAttention", "FPDTAttention"]
+__all__ = [
+    "ContextParallelAttention",
+    "UPipeAttention",
+    "UlyssesAttention",
+    "RingAttention",
+    "FPDTAttention",
+]

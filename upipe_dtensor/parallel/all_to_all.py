@@ -15,36 +15,36 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 
-def sequence_to_heads(x: Tensor, group: dist.ProcessGroup | None, cp_size: int) -> Tensor:
+def sequence_to_heads(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
     """(B, S/C, h, d) local shard of all h heads -> (B, S, h/C, d), this rank's heads.
 
     Rank r receives head slice r of every peer; the sequence is the peers' shards in rank order.
     """
-    if cp_size == 1:
+    if head_degree == 1:
         return x
     batch, local_len, heads, head_dim = x.shape
-    send = x.reshape(batch, local_len, cp_size, heads // cp_size, head_dim)
+    send = x.reshape(batch, local_len, head_degree, heads // head_degree, head_dim)
     send = send.permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # recv[j] is peer j's sequence shard: put the peer axis next to the sequence axis.
     return recv.permute(1, 0, 2, 3, 4).reshape(
-        batch, cp_size * local_len, heads // cp_size, head_dim
+        batch, head_degree * local_len, heads // head_degree, head_dim
     )
 
 
-def heads_to_sequence(x: Tensor, group: dist.ProcessGroup | None, cp_size: int) -> Tensor:
+def heads_to_sequence(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
     """(B, S, h, d) whole sequence of this rank's heads -> (B, S/C, h*C, d), all heads."""
-    if cp_size == 1:
+    if head_degree == 1:
         return x
     batch, seq_len, heads, head_dim = x.shape
-    send = x.reshape(batch, cp_size, seq_len // cp_size, heads, head_dim)
+    send = x.reshape(batch, head_degree, seq_len // head_degree, heads, head_dim)
     send = send.transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # recv[j] holds peer j's heads for this rank's shard: heads of peer j come j-th.
     return recv.permute(1, 2, 0, 3, 4).reshape(
-        batch, seq_len // cp_size, cp_size * heads, head_dim
+        batch, seq_len // head_degree, head_degree * heads, head_dim
     )
 
 
@@ -53,41 +53,41 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 
 @torch.library.custom_op("upipe::seq_to_head", mutates_args=())
-def seq_to_head(x: Tensor, group_name: str, cp_size: int) -> Tensor:
+def seq_to_head(x: Tensor, group_name: str, head_degree: int) -> Tensor:
     """Differentiable, compile-friendly ``sequence_to_heads`` (the group is named by its string)."""
-    out = sequence_to_heads(x, _group(group_name), cp_size)
+    out = sequence_to_heads(x, _group(group_name), head_degree)
     return out.clone() if out is x else out
 
 
 @torch.library.custom_op("upipe::head_to_seq", mutates_args=())
-def head_to_seq(x: Tensor, group_name: str, cp_size: int) -> Tensor:
+def head_to_seq(x: Tensor, group_name: str, head_degree: int) -> Tensor:
     """Differentiable, compile-friendly ``heads_to_sequence``."""
-    out = heads_to_sequence(x, _group(group_name), cp_size)
+    out = heads_to_sequence(x, _group(group_name), head_degree)
     return out.clone() if out is x else out
 
 
 @seq_to_head.register_fake
-def _(x: Tensor, group_name: str, cp_size: int) -> Tensor:
+def _(x: Tensor, group_name: str, head_degree: int) -> Tensor:
     batch, local_len, heads, head_dim = x.shape
-    return x.new_empty(batch, local_len * cp_size, heads // cp_size, head_dim)
+    return x.new_empty(batch, local_len * head_degree, heads // head_degree, head_dim)
 
 
 @head_to_seq.register_fake
-def _(x: Tensor, group_name: str, cp_size: int) -> Tensor:
+def _(x: Tensor, group_name: str, head_degree: int) -> Tensor:
     batch, seq_len, heads, head_dim = x.shape
-    return x.new_empty(batch, seq_len // cp_size, heads * cp_size, head_dim)
+    return x.new_empty(batch, seq_len // head_degree, heads * head_degree, head_dim)
 
 
 def _save_group(ctx, inputs, output) -> None:
-    _, ctx.group_name, ctx.cp_size = inputs
+    _, ctx.group_name, ctx.head_degree = inputs
 
 
 def _seq_to_head_backward(ctx, grad: Tensor):
-    return head_to_seq(grad, ctx.group_name, ctx.cp_size), None, None
+    return head_to_seq(grad, ctx.group_name, ctx.head_degree), None, None
 
 
 def _head_to_seq_backward(ctx, grad: Tensor):
-    return seq_to_head(grad, ctx.group_name, ctx.cp_size), None, None
+    return seq_to_head(grad, ctx.group_name, ctx.head_degree), None, None
 
 
 seq_to_head.register_autograd(_seq_to_head_backward, setup_context=_save_group)

@@ -1,75 +1,149 @@
-"""Register an attention op (UPipe/ring, FPDT) as one opaque custom-op pair, forward and backward.
+"""Register an attention op (staged UPipe/Ulysses/ring, FPDT) as one opaque custom-op pair.
 
 ``torch.compile(fullgraph=True)`` then sees a single node per layer, which it cannot split into
 whole-sequence tensors, and the fake implementations give it the output shapes. Every attention
-op has the same tensors in and out, and differs only in its plain-value constants, so the schema is
-built here once:
+op has the same tensors in and out and the same plain values (``AttentionParams``, one frozen
+record), so the schema is built here once, from the record's fields:
 
-    forward (x, wq, wk, wv, wo, rope, doc_ids?, *constants) -> (y, out, lse)
-    backward(grad_y, x, wq, wk, wv, wo, rope, doc_ids?, out, lse, *constants)
+    forward (x, wq, wk, wv, wo, rope, doc_ids?, *params) -> (y, out, lse)
+    backward(grad_y, x, wq, wk, wv, wo, rope, doc_ids?, out, lse, *params)
              -> (grad_x, grad_wq, grad_wk, grad_wv, grad_wo)
 
+The op bodies receive the record itself: ``forward(x, wq, wk, wv, wo, rope, doc_ids, params)``.
 ``y = out @ wo.T`` is the layer's output; ``out`` (the pre-``wo`` attention output) and ``lse``
 (one log-sum-exp per head and token, float32) are saved for backward. Taking ``wo`` inside lets
 backward form each stage's slice of the pre-``wo`` gradient from ``grad_y`` directly, so the whole
-(tokens, H*d) gradient is never materialised. Every constants schema has ``cp_size``,
-``head_dim`` and ``heads_per_stage``, which the fake forward needs.
+(tokens, H*d) gradient is never materialised.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..kernels.op_mode import OpSpec, call
+from upipe_dtensor.kernels.op_mode import OpSpec, call
 
 _TENSORS = "Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor wo, Tensor rope, Tensor? doc_ids"
 
 
-class AttentionOp:
-    """A registered attention op: ``op(x, wq, wk, wv, wo, rope, doc_ids, *constants) -> y``."""
+@dataclass(frozen=True, kw_only=True)
+class AttentionParams:
+    """The plain values of one attention layer's call: the mesh axes, the head stages, the
+    sequence chunks and the kernel. One record for every op, so they share one schema."""
 
-    def __init__(self, name: str, constants: str, forward: Callable, backward: Callable) -> None:
-        """``constants`` is the schema of the op's plain-value arguments, e.g.
-        ``"str group_name, int cp_size, int head_dim, int heads_per_stage, float scale"``."""
-        self.constant_names = [item.split()[-1] for item in constants.split(", ")]
+    head_group: str
+    """Process group of the head (all-to-all) axis; "" when it has one rank."""
+    head_degree: int
+    """C_h, the ranks that exchange heads (1 for ring attention)."""
+    ring_group: str = ""
+    """Process group of the ring (p2p) axis; "" without one."""
+    ring_degree: int = 1
+    """R, the ranks K/V travel around (1: no ring)."""
+    head_dim: int
+    heads_per_stage: int
+    """U, query heads per stage across the head axis."""
+    chunks: int = 1
+    """FPDT's sequence chunks (1: the whole sequence in each stage)."""
+    scale: float
+    """Softmax scale (head_dim ** -0.5 for Llama3)."""
+    backend: str
+    """Local attention kernel (``kernels.attention.BACKENDS``)."""
+    store_name: str = ""
+    """FPDT: the host store that parks earlier chunks (``memory.host_store.named_host_store``)."""
+
+    @property
+    def query_heads_per_rank(self) -> int:
+        return self.heads_per_stage // self.head_degree
+
+
+_SCHEMA_TYPES = {str: "str", int: "int", float: "float"}
+_PARAM_FIELDS = dataclasses.fields(AttentionParams)
+_PARAMS_SCHEMA = ", ".join(
+    f"{_SCHEMA_TYPES[typing.get_type_hints(AttentionParams)[f.name]]} {f.name}"
+    for f in _PARAM_FIELDS
+)
+
+
+def _params(values: tuple) -> AttentionParams:
+    return AttentionParams(**{f.name: value for f, value in zip(_PARAM_FIELDS, values)})
+
+
+def _flat(params: AttentionParams) -> tuple:
+    return tuple(getattr(params, f.name) for f in _PARAM_FIELDS)
+
+
+class AttentionOp:
+    """A registered attention op: ``op(x, wq, wk, wv, wo, rope, doc_ids, params) -> y``."""
+
+    def __init__(self, name: str, forward: Callable, backward: Callable) -> None:
+        """``forward(x, wq, wk, wv, wo, rope, doc_ids, params) -> (y, out, lse)`` and
+        ``backward(grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, params) -> grads``."""
+
+        def forward_body(*args):
+            return forward(*args[:7], _params(args[7:]))
+
+        def backward_body(*args):
+            return backward(*args[:10], _params(args[10:]))
+
         forward_op = torch.library.custom_op(
-            f"upipe::{name}_fwd", lambda *args: forward(*args), mutates_args=(),
-            schema=f"({_TENSORS}, {constants}) -> (Tensor, Tensor, Tensor)",
+            f"upipe::{name}_fwd",
+            forward_body,
+            mutates_args=(),
+            schema=f"({_TENSORS}, {_PARAMS_SCHEMA}) -> (Tensor, Tensor, Tensor)",
         )
         backward_op = torch.library.custom_op(
-            f"upipe::{name}_bwd", lambda *args: backward(*args), mutates_args=(),
-            schema=f"(Tensor grad_y, {_TENSORS}, Tensor out, Tensor lse, {constants}) "
+            f"upipe::{name}_bwd",
+            backward_body,
+            mutates_args=(),
+            schema=f"(Tensor grad_y, {_TENSORS}, Tensor out, Tensor lse, {_PARAMS_SCHEMA}) "
             f"-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         )
-        forward_op.register_fake(self._fake_forward)
+        forward_op.register_fake(_fake_forward)
         backward_op.register_fake(_fake_backward)
         forward_op.register_autograd(self._backward, setup_context=_setup_context)
-        self.forward = OpSpec(forward_op, forward, _setup_context, self._backward)
-        self.backward = OpSpec(backward_op, backward)
-
-    def _fake_forward(self, x, wq, wk, wv, wo, rope, doc_ids, *constants):
-        named = dict(zip(self.constant_names, constants))
-        cp_size, head_dim, heads_per_stage = named["cp_size"], named["head_dim"], named["heads_per_stage"]
-        batch, local_len, _ = x.shape
-        y = x.new_empty(batch, local_len, wo.shape[0])
-        out = x.new_empty(batch, local_len, wq.shape[0])
-        lse = x.new_empty(
-            wq.shape[0] // head_dim // heads_per_stage, batch, heads_per_stage // cp_size,
-            local_len * cp_size, dtype=torch.float32,
-        )
-        return y, out, lse
+        self.forward = OpSpec(forward_op, forward_body, _setup_context, self._backward)
+        self.backward = OpSpec(backward_op, backward_body)
 
     def _backward(self, ctx, grad_y: Tensor, _grad_out: Tensor | None, _grad_lse: Tensor | None):
         x, wq, wk, wv, wo, rope, doc_ids, out, lse = ctx.saved_tensors
-        grads = call(self.backward, grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, *ctx.constants)
-        return (*grads, None, None) + (None,) * len(self.constant_names)
+        grads = call(
+            self.backward, grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, *ctx.constants
+        )
+        return (*grads, None, None) + (None,) * len(_PARAM_FIELDS)
 
-    def __call__(self, *args) -> Tensor:
-        y, _, _ = call(self.forward, *args)
+    def __call__(
+        self,
+        x: Tensor,
+        wq: Tensor,
+        wk: Tensor,
+        wv: Tensor,
+        wo: Tensor,
+        rope: Tensor,
+        doc_ids: Tensor | None,
+        params: AttentionParams,
+    ) -> Tensor:
+        y, _, _ = call(self.forward, x, wq, wk, wv, wo, rope, doc_ids, *_flat(params))
         return y
+
+
+def _fake_forward(x, wq, wk, wv, wo, rope, doc_ids, *values):
+    params = _params(values)
+    batch, local_len, _ = x.shape
+    y = x.new_empty(batch, local_len, wo.shape[0])
+    out = x.new_empty(batch, local_len, wq.shape[0])
+    lse = x.new_empty(
+        wq.shape[0] // params.head_dim // params.heads_per_stage,
+        batch,
+        params.query_heads_per_rank,
+        local_len * params.head_degree,
+        dtype=torch.float32,
+    )
+    return y, out, lse
 
 
 def _fake_backward(grad_y, x, wq, wk, wv, wo, *args):

@@ -40,31 +40,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.attention import attention_backward, attention_forward, resolve_backend
-from ..kernels.merge import PartialAttention
-from ..memory.host_store import HostStore, Parked, named_host_store
-from ..memory.tiling import visited
-from .attention_op import AttentionOp
-from .layouts import split_lengths
-from .projections import AttentionProjections
+from upipe_dtensor.kernels.attention import attention_backward, attention_forward, resolve_backend
+from upipe_dtensor.kernels.merge import PartialAttention
+from upipe_dtensor.kernels.tiling import visited
+from upipe_dtensor.memory.host_store import HostStore, Parked, named_host_store
+from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
+from upipe_dtensor.parallel.layouts import split_lengths
+from upipe_dtensor.parallel.projections import AttentionProjections
 
 
 class _Chunks:
     """The per-call constants: one ``AttentionProjections`` per chunk, and where each chunk sits
     in the local shard and in the global sequence."""
 
-    def __init__(self, x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks) -> None:
+    def __init__(
+        self, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, params: AttentionParams
+    ) -> None:
         self.local = []  # [start, end) of each chunk in the local shard
-        self.gathered = []  # [start, end) of each chunk in the global sequence (after the all-to-all)
+        self.gathered = []  # [start, end) of each chunk in the global sequence (after all-to-all)
         start = 0
-        for length in split_lengths(x.shape[1], chunks):
+        for length in split_lengths(x.shape[1], params.chunks):
             self.local.append(slice(start, start + length))
-            self.gathered.append(slice(start * cp_size, (start + length) * cp_size))
+            self.gathered.append(
+                slice(start * params.head_degree, (start + length) * params.head_degree)
+            )
             start += length
-        self.spans = [
-            AttentionProjections(x[:, rows], wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage)
-            for rows in self.local
-        ]
+        self.spans = [AttentionProjections(x[:, rows], wq, wk, wv, params) for rows in self.local]
         self.schedule = self.spans[0].schedule
 
 
@@ -104,18 +105,30 @@ class _Parking:
 
 
 def fpdt_forward(
-    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rope: Tensor,
-    doc_ids: Tensor | None, group_name: str, cp_size: int, head_dim: int, heads_per_stage: int,
-    chunks: int, scale: float, backend: str, store_name: str,
+    x: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The chunk loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
     lse (stages, B, U/C, S) float32)."""
-    layer = _Chunks(x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks)
-    schedule, backend = layer.schedule, resolve_backend(backend, x.device)
-    parking = _Parking(named_host_store(store_name, x.device) if chunks > 1 else None)
-    out = x.new_empty(x.shape[0], x.shape[1], schedule.n_heads, head_dim)
+    layer = _Chunks(x, wq, wk, wv, params)
+    schedule, backend, scale = (
+        layer.schedule,
+        resolve_backend(params.backend, x.device),
+        params.scale,
+    )
+    parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
+    out = x.new_empty(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
     lse = x.new_empty(
-        len(schedule.stages), x.shape[0], schedule.query_heads_per_rank, x.shape[1] * cp_size,
+        len(schedule.stages),
+        x.shape[0],
+        schedule.query_heads_per_rank,
+        x.shape[1] * params.head_degree,
         dtype=torch.float32,
     )
     for index, stage in enumerate(schedule.stages):
@@ -126,21 +139,39 @@ def fpdt_forward(
                 parking.put(("k", i), k_i)
                 parking.put(("v", i), v_i)
             else:
-                k_i, v_i = parking.get(("k", i), release=False), parking.get(("v", i), release=False)
+                k_i, v_i = (
+                    parking.get(("k", i), release=False),
+                    parking.get(("v", i), release=False),
+                )
             q_i = span.query_for_stage(stage, rope_i)
-            partial = PartialAttention(*attention_forward(
-                q_i, k_i, v_i, scale, backend, causal=True, q_docs=docs_i, k_docs=docs_i
-            ))
+            partial = PartialAttention(
+                *attention_forward(
+                    q_i, k_i, v_i, scale, backend, causal=True, q_docs=docs_i, k_docs=docs_i
+                )
+            )
             del k_i, v_i
             earlier = visited(q_i, range(i))
             for step, j in enumerate(earlier):
-                k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
-                if step + 1 < len(earlier):  # the next earlier chunk travels while this one computes
+                k_j, v_j = (
+                    parking.get(("k", j), release=False),
+                    parking.get(("v", j), release=False),
+                )
+                if step + 1 < len(
+                    earlier
+                ):  # the next earlier chunk travels while this one computes
                     parking.prefetch(("k", earlier[step + 1]), ("v", earlier[step + 1]))
-                partial.add(*attention_forward(
-                    q_i, k_j, v_j, scale, backend, causal=False,
-                    q_docs=docs_i, k_docs=_docs(doc_ids, layer.gathered[j]),
-                ))
+                partial.add(
+                    *attention_forward(
+                        q_i,
+                        k_j,
+                        v_j,
+                        scale,
+                        backend,
+                        causal=False,
+                        q_docs=docs_i,
+                        k_docs=_docs(doc_ids, layer.gathered[j]),
+                    )
+                )
                 del k_j, v_j
             o_i, lse[index, :, :, layer.gathered[i]] = partial.result(x.dtype)
             del q_i, partial
@@ -153,18 +184,32 @@ def fpdt_forward(
 
 
 def fpdt_backward(
-    grad_y: Tensor, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rope: Tensor,
-    doc_ids: Tensor | None, out: Tensor, lse: Tensor, group_name: str, cp_size: int,
-    head_dim: int, heads_per_stage: int, chunks: int, scale: float, backend: str, store_name: str,
+    grad_y: Tensor,
+    x: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The paper's backward order per stage; returns (dx, dwq, dwk, dwv, dwo)."""
-    layer = _Chunks(x, wq, wk, wv, group_name, cp_size, head_dim, heads_per_stage, chunks)
-    schedule, backend = layer.schedule, resolve_backend(backend, x.device)
-    parking = _Parking(named_host_store(store_name, x.device) if chunks > 1 else None)
+    layer = _Chunks(x, wq, wk, wv, params)
+    schedule, backend, scale = (
+        layer.schedule,
+        resolve_backend(params.backend, x.device),
+        params.scale,
+    )
+    parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
-    out = out.view(x.shape[0], x.shape[1], schedule.n_heads, head_dim)
+    out = out.view(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
     grad_x = torch.zeros_like(x)
-    grad_wq, grad_wk, grad_wv = (torch.zeros_like(w).view(-1, head_dim, x.shape[-1]) for w in (wq, wk, wv))
+    grad_wq, grad_wk, grad_wv = (
+        torch.zeros_like(w).view(-1, params.head_dim, x.shape[-1]) for w in (wq, wk, wv)
+    )
     count = len(layer.spans)
 
     for index, stage in enumerate(schedule.stages):
@@ -182,7 +227,11 @@ def fpdt_backward(
         # Planning (fake tensors) runs a few of the identical chunk pairs (``memory.tiling``): the
         # first pass over the query chunks parks every partial dQ, so host memory is counted
         # whole; K/V chunks are skipped only when no partial dK/dV outlive the stage.
-        outer = visited(x, range(count)) if stage.opens_kv_block and stage.closes_kv_block else range(count)
+        outer = (
+            visited(x, range(count))
+            if stage.opens_kv_block and stage.closes_kv_block
+            else range(count)
+        )
         for j in outer:  # outer: K/V chunks
             span_j = layer.spans[j]
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
@@ -197,14 +246,27 @@ def fpdt_backward(
                 q_i = parking.get(("q", i), release=i == j)
                 o_i = parking.get(("o", i), release=i == j)
                 do_i = parking.get(("do", i), release=i == j)
-                grad_q_i = (torch.zeros_like(q_i, dtype=torch.float32) if j == 0
-                            else parking.get(("dq", i), release=True))
+                grad_q_i = (
+                    torch.zeros_like(q_i, dtype=torch.float32)
+                    if j == 0
+                    else parking.get(("dq", i), release=True)
+                )
                 if step + 1 < len(queries):  # the next query chunk travels while this one computes
                     following = queries[step + 1]
-                    parking.prefetch(("q", following), ("o", following), ("do", following), ("dq", following))
+                    parking.prefetch(
+                        ("q", following), ("o", following), ("do", following), ("dq", following)
+                    )
                 dq, dk, dv = attention_backward(
-                    do_i, q_i, k_j, v_j, o_i, lse[index, :, :, layer.gathered[i]], scale, backend,
-                    causal=i == j, q_docs=_docs(doc_ids, layer.gathered[i]),
+                    do_i,
+                    q_i,
+                    k_j,
+                    v_j,
+                    o_i,
+                    lse[index, :, :, layer.gathered[i]],
+                    scale,
+                    backend,
+                    causal=i == j,
+                    q_docs=_docs(doc_ids, layer.gathered[i]),
                     k_docs=_docs(doc_ids, layer.gathered[j]),
                 )
                 del q_i, o_i, do_i
@@ -214,8 +276,11 @@ def fpdt_backward(
                 del dq, dk, dv
                 if i == j:  # every key chunk of query chunk i is done: dQ_i is final
                     span_j.query_backward(
-                        grad_q_i.to(x.dtype), stage, _rows(rope, layer.local[i]),
-                        grad_x[:, layer.local[i]], grad_wq,
+                        grad_q_i.to(x.dtype),
+                        stage,
+                        _rows(rope, layer.local[i]),
+                        grad_x[:, layer.local[i]],
+                        grad_wq,
                     )
                 else:
                     parking.put(("dq", i), grad_q_i)
@@ -223,8 +288,13 @@ def fpdt_backward(
             del k_j, v_j
             if stage.closes_kv_block:
                 span_j.kv_backward(
-                    grad_k_j, grad_v_j, stage.kv_block, _rows(rope, layer.local[j]),
-                    grad_x[:, layer.local[j]], grad_wk, grad_wv,
+                    grad_k_j,
+                    grad_v_j,
+                    stage.kv_block,
+                    _rows(rope, layer.local[j]),
+                    grad_x[:, layer.local[j]],
+                    grad_wk,
+                    grad_wv,
                 )
             else:  # later stages of this KV block add to the same dK/dV
                 parking.put(("dk", j), grad_k_j)
@@ -235,25 +305,20 @@ def fpdt_backward(
     return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv), grad_wo
 
 
-_OP = AttentionOp(
-    "fpdt",
-    "str group_name, int cp_size, int head_dim, int heads_per_stage, int chunks, float scale, "
-    "str backend, str store_name",
-    fpdt_forward,
-    fpdt_backward,
-)
+_OP = AttentionOp("fpdt", fpdt_forward, fpdt_backward)
 
 
 def fpdt_attention(
-    x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rope: Tensor, *,
-    doc_ids: Tensor | None = None, group_name: str, cp_size: int, head_dim: int,
-    heads_per_stage: int, chunks: int, store_name: str, scale: float | None = None,
-    backend: str = "auto",
+    x: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    params: AttentionParams,
 ) -> Tensor:
     """Differentiable FPDT attention including the output projection ``wo`` of a chunk-strided
-    shard; see the module docstring. ``store_name`` names the host store
-    (``memory.host_store.named_host_store``) for parked chunks."""
-    return _OP(
-        x, wq, wk, wv, wo, rope, doc_ids, group_name, cp_size, head_dim, heads_per_stage,
-        chunks, head_dim**-0.5 if scale is None else scale, backend, store_name,
-    )
+    shard; see the module docstring. ``params.chunks`` sequence chunks; ``params.store_name``
+    names the host store (``memory.host_store.named_host_store``) for parked chunks."""
+    return _OP(x, wq, wk, wv, wo, rope, doc_ids, params)

@@ -33,7 +33,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class HeadSchedule:
-    """The full stage plan of one attention layer for a CP group of ``cp_size`` ranks.
+    """The full stage plan of one attention layer for a CP group of ``head_degree`` ranks.
 
     ``kv_replication`` > 1 means there are fewer KV heads than ranks: each KV head is repeated
     that many times in activation space before the all-to-all, so every rank gets one.
@@ -43,7 +43,7 @@ class HeadSchedule:
 
     n_heads: int
     n_kv_heads: int
-    cp_size: int
+    head_degree: int
     heads_per_stage: int
     kv_replication: int
     kv_heads_per_rank: int
@@ -51,7 +51,7 @@ class HeadSchedule:
 
     @property
     def query_heads_per_rank(self) -> int:
-        return self.heads_per_stage // self.cp_size
+        return self.heads_per_stage // self.head_degree
 
     @property
     def n_kv_blocks(self) -> int:
@@ -59,7 +59,7 @@ class HeadSchedule:
 
     def kv_block_heads(self, block: int) -> tuple[int, int]:
         """[start, stop) of the model's KV heads (rows of wk/wv) projected for ``block``."""
-        per_block = self.cp_size * self.kv_heads_per_rank // self.kv_replication
+        per_block = self.head_degree * self.kv_heads_per_rank // self.kv_replication
         return block * per_block, (block + 1) * per_block
 
 
@@ -67,72 +67,75 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def valid_heads_per_stage(n_heads: int, n_kv_heads: int, cp_size: int) -> list[int]:
+def valid_heads_per_stage(n_heads: int, n_kv_heads: int, head_degree: int) -> list[int]:
     """All head-chunk sizes U that work for this geometry (empty if the CP degree itself cannot)."""
-    if n_heads % cp_size or (n_kv_heads % cp_size and cp_size % n_kv_heads):
+    if n_heads % head_degree or (n_kv_heads % head_degree and head_degree % n_kv_heads):
         return []
-    n_rep = n_heads // max(n_kv_heads, cp_size)
+    n_rep = n_heads // max(n_kv_heads, head_degree)
     valid = []
-    for u in _divisors(n_heads // cp_size):
+    for u in _divisors(n_heads // head_degree):
         if n_rep % u == 0 or u % n_rep == 0:
-            valid.append(u * cp_size)
+            valid.append(u * head_degree)
     return valid
 
 
-def _check_geometry(n_heads: int, n_kv_heads: int, cp_size: int, heads_per_stage: int) -> None:
-    if cp_size < 1:
-        raise ValueError(f"cp degree must be >= 1, got {cp_size}")
+def _check_geometry(n_heads: int, n_kv_heads: int, head_degree: int, heads_per_stage: int) -> None:
+    if head_degree < 1:
+        raise ValueError(f"cp degree must be >= 1, got {head_degree}")
     if n_kv_heads < 1 or n_heads % n_kv_heads:
         raise ValueError(
             f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}: not a valid GQA model"
         )
-    if n_heads % cp_size:
+    if n_heads % head_degree:
         ok = [c for c in _divisors(n_heads) if valid_heads_per_stage(n_heads, n_kv_heads, c)]
         raise ValueError(
-            f"n_heads={n_heads} is not divisible by the cp degree {cp_size}: every rank must own "
+            f"n_heads={n_heads} is not divisible by the cp degree {head_degree}: every rank must "
+            "own "
             f"whole heads. Use a cp degree in {ok}."
         )
-    if n_kv_heads % cp_size and cp_size % n_kv_heads:
+    if n_kv_heads % head_degree and head_degree % n_kv_heads:
         raise ValueError(
-            f"n_kv_heads={n_kv_heads} and cp degree {cp_size} must divide one another (so KV heads "
+            f"n_kv_heads={n_kv_heads} and cp degree {head_degree} must divide one another (so KV "
+            "heads "
             f"split evenly or replicate evenly across ranks). Use a cp degree that divides "
             f"{n_kv_heads} or is a multiple of it."
         )
-    valid = valid_heads_per_stage(n_heads, n_kv_heads, cp_size)
+    valid = valid_heads_per_stage(n_heads, n_kv_heads, head_degree)
     if heads_per_stage not in valid:
         reason = (
             f"n_heads={n_heads} is not divisible by heads_per_stage={heads_per_stage}"
             if heads_per_stage <= 0 or n_heads % heads_per_stage
-            else f"heads_per_stage={heads_per_stage} is not a multiple of the cp degree {cp_size}"
-            if heads_per_stage % cp_size
-            else f"heads_per_stage={heads_per_stage} gives {heads_per_stage // cp_size} query heads "
-            f"per rank per stage, which neither divides nor is a multiple of the "
-            f"{n_heads // max(n_kv_heads, cp_size)} query heads sharing a KV head"
+            else f"heads_per_stage={heads_per_stage} is not a multiple of the cp degree "
+            f"{head_degree}"
+            if heads_per_stage % head_degree
+            else f"heads_per_stage={heads_per_stage} gives {heads_per_stage // head_degree} "
+            f"query heads per rank per stage, which neither divides nor is a multiple of the "
+            f"{n_heads // max(n_kv_heads, head_degree)} query heads sharing a KV head"
         )
-        raise ValueError(f"{reason}. Valid heads_per_stage for cp degree {cp_size}: {valid}")
+        raise ValueError(f"{reason}. Valid heads_per_stage for cp degree {head_degree}: {valid}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_head_schedule(
-    n_heads: int, n_kv_heads: int, cp_size: int, heads_per_stage: int
+    n_heads: int, n_kv_heads: int, head_degree: int, heads_per_stage: int
 ) -> HeadSchedule:
     """Plan the stages; raises ValueError naming the numbers if the geometry cannot work."""
-    _check_geometry(n_heads, n_kv_heads, cp_size, heads_per_stage)
-    kv_replication = max(1, cp_size // n_kv_heads)
-    effective_kv_heads = n_kv_heads * kv_replication  # >= cp_size
+    _check_geometry(n_heads, n_kv_heads, head_degree, heads_per_stage)
+    kv_replication = max(1, head_degree // n_kv_heads)
+    effective_kv_heads = n_kv_heads * kv_replication  # >= head_degree
     n_rep = n_heads // effective_kv_heads  # query heads per (effective) KV head
-    per_rank = heads_per_stage // cp_size
+    per_rank = heads_per_stage // head_degree
     kv_per_rank = max(1, per_rank // n_rep)
     stages_per_block = kv_per_rank * n_rep // per_rank
-    n_blocks = effective_kv_heads // (cp_size * kv_per_rank)
+    n_blocks = effective_kv_heads // (head_degree * kv_per_rank)
 
     stages = []
     for block in range(n_blocks):
         for step in range(stages_per_block):
             heads = []
-            for rank in range(cp_size):
+            for rank in range(head_degree):
                 # Effective KV heads this rank receives from the block's all-to-all.
-                first_kv = (block * cp_size + rank) * kv_per_rank
+                first_kv = (block * head_degree + rank) * kv_per_rank
                 first_q = first_kv * n_rep + step * per_rank
                 heads.extend(range(first_q, first_q + per_rank))
             stages.append(
@@ -146,7 +149,7 @@ def make_head_schedule(
     return HeadSchedule(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        cp_size=cp_size,
+        head_degree=head_degree,
         heads_per_stage=heads_per_stage,
         kv_replication=kv_replication,
         kv_heads_per_rank=kv_per_rank,

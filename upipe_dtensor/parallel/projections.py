@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..kernels.rope import apply_rope, apply_rope_transpose
-from .all_to_all import _group, heads_to_sequence, sequence_to_heads
-from .head_schedule import HeadSchedule, Stage, make_head_schedule
+from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
+from upipe_dtensor.parallel.all_to_all import _group, heads_to_sequence, sequence_to_heads
+from upipe_dtensor.parallel.attention_op import AttentionParams
+from upipe_dtensor.parallel.head_schedule import HeadSchedule, Stage, make_head_schedule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _head_index(heads: tuple[int, ...], device: torch.device) -> Tensor:
     """A stage's head indices on ``device``, built once: a fresh host-to-GPU copy per stage
     would stall the CPU until the stream catches up."""
@@ -57,23 +58,18 @@ class AttentionProjections:
     """One layer's projections of a span of the local sequence ``x`` (B, L, D)."""
 
     def __init__(
-        self,
-        x: Tensor,
-        wq: Tensor,
-        wk: Tensor,
-        wv: Tensor,
-        group_name: str,
-        cp_size: int,
-        head_dim: int,
-        heads_per_stage: int,
+        self, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, params: AttentionParams
     ) -> None:
         self.batch, self.local_len, self.dim = x.shape
-        self.head_dim = head_dim
+        self.head_dim = head_dim = params.head_dim
         self.schedule: HeadSchedule = make_head_schedule(
-            wq.shape[0] // head_dim, wk.shape[0] // head_dim, cp_size, heads_per_stage
+            wq.shape[0] // head_dim,
+            wk.shape[0] // head_dim,
+            params.head_degree,
+            params.heads_per_stage,
         )
-        self.cp_size = cp_size
-        self.group = resolve_group(group_name, cp_size)
+        self.head_degree = params.head_degree
+        self.group = resolve_group(params.head_group, params.head_degree)
         # Weights as (heads, head_dim, dim): a stage picks whole heads.
         self.wq = wq.view(-1, head_dim, self.dim)
         self.wk = wk.view(-1, head_dim, self.dim)
@@ -98,10 +94,10 @@ class AttentionProjections:
         return (self.x_flat @ rows.t()).view(self.batch, self.local_len, -1, self.head_dim)
 
     def to_heads(self, t: Tensor) -> Tensor:
-        return sequence_to_heads(t, self.group, self.cp_size)
+        return sequence_to_heads(t, self.group, self.head_degree)
 
     def to_sequence(self, t: Tensor) -> Tensor:
-        return heads_to_sequence(t, self.group, self.cp_size)
+        return heads_to_sequence(t, self.group, self.head_degree)
 
     def kv_for_block(self, block: int, rope: Tensor) -> tuple[Tensor, Tensor]:
         """K (rotated) and V of one KV block, replicated if needed, in the head layout."""
@@ -129,7 +125,9 @@ class AttentionProjections:
         first = stage.first_head_if_contiguous
         if first is not None:
             return heads[:, first : first + len(stage.query_heads)].reshape(wo.shape[0], -1)
-        return heads.index_select(1, _head_index(stage.query_heads, wo.device)).reshape(wo.shape[0], -1)
+        return heads.index_select(1, _head_index(stage.query_heads, wo.device)).reshape(
+            wo.shape[0], -1
+        )
 
     def output_grad(self, grad_y: Tensor, wo: Tensor, stage: Stage) -> Tensor:
         """The stage's slice of the gradient before ``wo``, in the head layout: grad_y @ wo[:,
@@ -160,8 +158,14 @@ class AttentionProjections:
             grad_wq.index_add_(0, index, (grad_q.t() @ self.x_flat).view(-1, *grad_wq.shape[1:]))
 
     def kv_backward(
-        self, grad_k_h: Tensor, grad_v_h: Tensor, block: int, rope: Tensor,
-        grad_x: Tensor, grad_wk: Tensor, grad_wv: Tensor,
+        self,
+        grad_k_h: Tensor,
+        grad_v_h: Tensor,
+        block: int,
+        rope: Tensor,
+        grad_x: Tensor,
+        grad_wk: Tensor,
+        grad_wv: Tensor,
     ) -> None:
         """From a KV block's (float32) K/V gradients in the head layout: grad_x += dk @ wk +
         dv @ wv for the block's heads, and the block's rows of grad_wk/grad_wv += d.T @ x."""

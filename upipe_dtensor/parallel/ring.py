@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..kernels.attention import attention_backward, attention_forward
-from ..kernels.merge import PartialAttention
-from .layouts import ring_halves, ring_positions
+from upipe_dtensor.kernels.attention import attention_backward, attention_forward
+from upipe_dtensor.kernels.merge import PartialAttention
+from upipe_dtensor.parallel.layouts import ring_halves, ring_positions
 
 _KV_TAG, _GRAD_TAG = 1, 2
 
@@ -62,10 +62,14 @@ class _Shift:
         self.sent = tuple(t.contiguous() for t in tensors)  # alive until the sends complete
         self.received = tuple(torch.empty_like(t) for t in self.sent)
         after, before = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
-        ops = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=after, tag=tag)
-               for t in self.sent]
-        ops += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=before, tag=tag)
-                for t in self.received]
+        ops = [
+            dist.P2POp(dist.isend, t, group=ring.group, group_peer=after, tag=tag)
+            for t in self.sent
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, group=ring.group, group_peer=before, tag=tag)
+            for t in self.received
+        ]
         self.requests = dist.batch_isend_irecv(ops)
 
     def wait(self) -> tuple[Tensor, ...]:
@@ -112,7 +116,9 @@ def ring_attention_forward(
     """
     seq_len = q.shape[1] * ring.size
     if ring.size == 1:
-        return attention_forward(q, k, v, scale, backend, causal=True, q_docs=doc_ids, k_docs=doc_ids)
+        return attention_forward(
+            q, k, v, scale, backend, causal=True, q_docs=doc_ids, k_docs=doc_ids
+        )
     blocks = _Blocks(ring, seq_len, doc_ids)
     mine = blocks.docs(ring.rank)
     partial: PartialAttention | None = None
@@ -124,8 +130,14 @@ def ring_attention_forward(
         theirs = mine if owner == ring.rank else blocks.docs(owner)
         if q[:, rows].shape[1] and kv[0][:, keys].shape[1]:
             out, lse = attention_forward(
-                q[:, rows], kv[0][:, keys], kv[1][:, keys], scale, backend,
-                causal=causal, q_docs=_docs(mine, rows), k_docs=_docs(theirs, keys),
+                q[:, rows],
+                kv[0][:, keys],
+                kv[1][:, keys],
+                scale,
+                backend,
+                causal=causal,
+                q_docs=_docs(mine, rows),
+                k_docs=_docs(theirs, keys),
             )
             if partial is None:
                 partial = PartialAttention(out, lse)
@@ -137,8 +149,16 @@ def ring_attention_forward(
 
 
 def ring_attention_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    scale: float, backend: str, ring: Ring, doc_ids: Tensor | None,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    backend: str,
+    ring: Ring,
+    doc_ids: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``ring_attention_forward`` from its final ``out`` and ``lse``."""
     seq_len = q.shape[1] * ring.size
@@ -154,16 +174,27 @@ def ring_attention_backward(
         owner = (ring.rank - step) % ring.size
         shift = _Shift(ring, kv, _KV_TAG) if step < ring.size - 1 else None
         if grad_shift is None:  # this rank's own block: its accumulators start here
-            grad_kv = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
+            grad_kv = (
+                torch.zeros_like(k, dtype=torch.float32),
+                torch.zeros_like(v, dtype=torch.float32),
+            )
         else:  # the accumulators of ``owner``'s block, from the previous rank
             grad_kv = grad_shift.wait()
         rows, keys, causal = blocks.spans(owner)
         theirs = mine if owner == ring.rank else blocks.docs(owner)
         if q[:, rows].shape[1] and kv[0][:, keys].shape[1]:
             dq, dk, dv = attention_backward(
-                grad_out[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                lse[:, :, rows], scale, backend,
-                causal=causal, q_docs=_docs(mine, rows), k_docs=_docs(theirs, keys),
+                grad_out[:, rows],
+                q[:, rows],
+                kv[0][:, keys],
+                kv[1][:, keys],
+                out[:, rows],
+                lse[:, :, rows],
+                scale,
+                backend,
+                causal=causal,
+                q_docs=_docs(mine, rows),
+                k_docs=_docs(theirs, keys),
             )
             grad_q[:, rows] += dq
             grad_kv[0][:, keys] += dk

@@ -3,29 +3,37 @@
 Applied with ``parallelize_module(model, cp_mesh, {"layers.*.attention": UPipeAttention()})`` to
 torchtitan's Llama3 ``Attention``. Every style exposes ``shard_positions(seq_len, cp_rank,
 cp_size)``, the tokens each rank feeds in the order its module expects, and accepts a document
-mask; all of them run through the same all-to-all, kernels, ring and host-memory pieces. Unlike PyTorch's tensor-parallel styles, the parameters stay
+mask; all of them run through the same all-to-all, kernels, ring and host-memory pieces. Unlike
+PyTorch's tensor-parallel styles, the parameters stay
 plain tensors, replicated over the CP mesh: the style changes how activations are laid out, not
 how weights are, so ``fully_shard`` applied afterwards owns the parameters as usual.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
-from torch import nn, Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..kernels.attention import BACKENDS
-from ..kernels.rope import rope_table
-from ..memory.host_store import HostMemory
-from .fpdt_attention import fpdt_attention
-from .head_schedule import make_head_schedule
-from .layouts import chunk_count, chunked_positions, contiguous_positions, two_d_positions
-from .upipe_attention import upipe_attention
+from upipe_dtensor.kernels.attention import BACKENDS
+from upipe_dtensor.kernels.rope import rope_table
+from upipe_dtensor.memory.host_store import HostMemory
+from upipe_dtensor.parallel.attention_op import AttentionParams
+from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
+from upipe_dtensor.parallel.head_schedule import make_head_schedule
+from upipe_dtensor.parallel.layouts import (
+    chunk_count,
+    chunked_positions,
+    contiguous_positions,
+    two_d_positions,
+)
+from upipe_dtensor.parallel.staged_attention import staged_attention
 
 
 @dataclass(frozen=True)
@@ -33,15 +41,15 @@ class _Axes:
     """The CP mesh as the attention ops see it: a head axis (all-to-all) and a ring axis (p2p)."""
 
     head_group: str
-    head_size: int
+    head_degree: int
     ring_group: str
-    ring_size: int
+    ring_degree: int
     cp_rank: int
-    """Rank in the whole CP group, ring-major: ring_rank * head_size + head_rank."""
+    """Rank in the whole CP group, ring-major: ring_rank * head_degree + head_rank."""
 
     @property
-    def cp_size(self) -> int:
-        return self.head_size * self.ring_size
+    def cp_degree(self) -> int:
+        return self.head_degree * self.ring_degree
 
 
 _TWO_D_NAMES = ("cp_ring", "cp_heads")
@@ -51,8 +59,9 @@ def _group_name(mesh: DeviceMesh, dim: int) -> str:
     return mesh.get_group(dim).group_name if mesh.size(dim) > 1 else ""
 
 
-class _ContextParallelAttention(ParallelStyle):
-    """What every CP style shares: module checks, the mesh, positions, RoPE and documents.
+class ContextParallelAttention(ParallelStyle):
+    """The base of every context-parallel attention style: module checks, the mesh, positions,
+    RoPE and documents. Annotate with this type where any CP style will do.
 
     Subclasses say how the mesh maps to head and ring axes (``_axes``), which tokens a rank holds
     (``shard_positions``) and which op runs the attention (``_attend``).
@@ -65,7 +74,8 @@ class _ContextParallelAttention(ParallelStyle):
         self.backend = backend
 
     def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
-        """The global token indices rank ``cp_rank`` of ``cp_size`` feeds, in module order."""
+        """The global token indices rank ``cp_rank`` of the ``cp_size`` CP ranks feeds, in module
+        order."""
         raise NotImplementedError
 
     def _axes(self, mesh: DeviceMesh) -> _Axes:
@@ -73,23 +83,46 @@ class _ContextParallelAttention(ParallelStyle):
         _require_mesh_dims(self, mesh, (1,))
         return _Axes(_group_name(mesh, 0), mesh.size(), "", 1, mesh.get_local_rank())
 
-    def _check_geometry(self, module: nn.Module, axes: _Axes) -> None:
-        make_head_schedule(
-            module.n_heads, module.n_kv_heads, axes.head_size,
-            self._stage_size(module.n_heads, axes.head_size),
-        )
-
-    def _stage_size(self, n_heads: int, head_size: int) -> int:
+    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
+        """U, the query heads of one stage across the head axis."""
         return n_heads
+
+    def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
+        """The attention op's plain values for this module on these axes."""
+        return AttentionParams(
+            head_group=axes.head_group,
+            head_degree=axes.head_degree,
+            ring_group=axes.ring_group,
+            ring_degree=axes.ring_degree,
+            head_dim=module.head_dim,
+            heads_per_stage=self._stage_heads(module.n_heads, axes.head_degree),
+            scale=module.head_dim**-0.5,
+            backend=self.backend,
+        )
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
         """The layer's output (after ``wo``) for this rank's shard ``x``."""
-        raise NotImplementedError
+        params = self._params(module, axes, x.shape[1] * axes.cp_degree)
+        return staged_attention(
+            x,
+            module.wq.weight,
+            module.wk.weight,
+            module.wv.weight,
+            module.wo.weight,
+            rope,
+            doc_ids,
+            params,
+        )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_attention_module(module)
         axes = self._axes(device_mesh)
-        self._check_geometry(module, axes)
+        make_head_schedule(  # the geometry, checked before any forward
+            module.n_heads,
+            module.n_kv_heads,
+            axes.head_degree,
+            self._stage_heads(module.n_heads, axes.head_degree),
+        )
         module.forward = functools.partial(_cp_attention_forward, module, self, axes)
         return module
 
@@ -104,7 +137,7 @@ def _require_mesh_dims(style: ParallelStyle, mesh: DeviceMesh, allowed: tuple[in
         )
 
 
-class UPipeAttention(_ContextParallelAttention):
+class UPipeAttention(ContextParallelAttention):
     """Ulysses context parallelism run a few query heads at a time (UPipe, arXiv 2602.21196).
 
     On a 1-D CP mesh the module's input is this rank's contiguous sequence shard
@@ -113,21 +146,30 @@ class UPipeAttention(_ContextParallelAttention):
     ``(cp_ring, cp_heads)`` mesh (ring across nodes, heads inside a node, heads innermost) each
     stage's all-to-all runs over the head axis and its attention as ring attention over the ring
     axis (2D UPipe; with ``UlyssesAttention``, the USP hybrid); the layout is then
-    ``layouts.two_d_positions`` (zigzag over the ring, contiguous inside the head group).
+    ``layouts.two_d_positions`` (zigzag over the ring, contiguous inside the head group). With
+    ``chunk_tokens`` each head stage also runs over sequence chunks, earlier chunks' K/V in host
+    memory (UPipe x FPDT, 1-D mesh, FPDT's chunk-strided layout): the longest contexts.
 
     RoPE uses global positions: derived from ``shard_positions`` when ``positions`` is None, else
     the given (1, S/C) or (B, S/C) global indices. ``attention_masks`` is None (causal) or the
-    (B, S) int document ids of the whole sequence (``documents.document_ids``): a token then sees
-    only earlier tokens of its own document. Outputs and gradients equal the unsharded model's
-    (same weights, same GQA pairing), up to rounding.
+    (B, S) int document ids of the whole sequence (``data.documents.document_ids``): a token then
+    sees only earlier tokens of its own document. Outputs and gradients equal the unsharded
+    model's (same weights, same GQA pairing), up to rounding.
 
     Keyword Args:
         heads_per_stage (int, optional): U, the query heads exchanged per stage, across the head
             axis. A multiple of the head-axis degree that divides n_heads. ``None`` means U = the
             head-axis degree: one head per rank per stage, the smallest attention memory.
             U = n_heads is classic Ulysses.
+        ring_degree (int, optional): R, the ring axis of the mesh this style will be applied to
+            (1 for a 1-D mesh). ``None`` takes it from the mesh at ``parallelize_module``; until
+            then ``shard_positions`` cannot know the layout and raises.
+        chunk_tokens (int, optional): tokens per global sequence chunk (after the all-to-all);
+            ``None`` runs each stage over the whole sequence.
         backend (str): local attention kernel: "auto" (flash-attn on CUDA if installed, else
             PyTorch's flash kernels), "flash" or "sdpa".
+        host_device (torch.device): with ``chunk_tokens``, where earlier chunks are parked (pinned
+            on CUDA); the memory planner passes a stand-in it counts as host memory.
 
     Example::
         >>> from torch.distributed.tensor.parallel import parallelize_module
@@ -135,24 +177,53 @@ class UPipeAttention(_ContextParallelAttention):
         >>> logits_shard = model(tokens[:, rank * s_local : (rank + 1) * s_local])
     """
 
-    def __init__(self, *, heads_per_stage: int | None = None, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        *,
+        heads_per_stage: int | None = None,
+        ring_degree: int | None = None,
+        chunk_tokens: int | None = None,
+        backend: str = "auto",
+        host_device: torch.device = torch.device("cpu"),
+    ) -> None:
         super().__init__(backend=backend)
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(
+                f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}"
+            )
+        if chunk_tokens is not None and (ring_degree or 1) > 1:
+            raise ValueError(
+                f"chunk_tokens (sequence chunks) and ring_degree = {ring_degree} cannot be "
+                "combined: "
+                "chunk the sequence on one node, or use a ring across nodes"
+            )
         self.heads_per_stage = heads_per_stage
-        self.ring_degree = 1
-        """The ring axis of the mesh this style was last applied to (1 on a 1-D mesh)."""
+        self.ring_degree = 1 if chunk_tokens is not None else ring_degree
+        self.chunk_tokens = chunk_tokens
+        self.host = HostMemory(host_device)
 
     def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
         """Contiguous ``[r*S/C, (r+1)*S/C)`` on a 1-D mesh; on a 2-D mesh, rank
-        ``ring_rank * (C/R) + head_rank`` holds its slice of the ring rank's zigzag tokens."""
+        ``ring_rank * (C/R) + head_rank`` holds its slice of the ring rank's zigzag tokens; with
+        sequence chunks, rank r's chunk i is global piece i*C + r (FPDT's Figure 6)."""
+        if self.chunk_tokens is not None:
+            chunks = chunk_count(seq_len, cp_size, self.chunk_tokens)
+            return chunked_positions(seq_len, cp_rank, cp_size, chunks)
+        if self.ring_degree is None:
+            raise ValueError(
+                f"{type(self).__name__}.shard_positions: the layout depends on the ring degree, "
+                "which is known once the style is applied to its mesh; call it after "
+                "parallelize_module, or construct the style with ring_degree=R (1 for a 1-D mesh)"
+            )
         if self.ring_degree == 1:
             return contiguous_positions(seq_len, cp_rank, cp_size)
         return two_d_positions(seq_len, cp_rank, cp_size, self.ring_degree)
 
-    def _stage_size(self, n_heads: int, head_size: int) -> int:
-        return head_size if self.heads_per_stage is None else self.heads_per_stage
+    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
+        return head_degree if self.heads_per_stage is None else self.heads_per_stage
 
     def _axes(self, mesh: DeviceMesh) -> _Axes:
-        _require_mesh_dims(self, mesh, (1, 2))
+        _require_mesh_dims(self, mesh, (1,) if self.chunk_tokens is not None else (1, 2))
         if mesh.ndim == 1:
             axes = super()._axes(mesh)
         elif mesh.mesh_dim_names != _TWO_D_NAMES:
@@ -164,21 +235,42 @@ class UPipeAttention(_ContextParallelAttention):
         else:  # (ring, heads), heads innermost
             ring_rank, head_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
             axes = _Axes(
-                _group_name(mesh, 1), mesh.size(1), _group_name(mesh, 0), mesh.size(0),
+                _group_name(mesh, 1),
+                mesh.size(1),
+                _group_name(mesh, 0),
+                mesh.size(0),
                 ring_rank * mesh.size(1) + head_rank,
             )
-        self.ring_degree = axes.ring_size
+        if self.ring_degree is None:
+            self.ring_degree = axes.ring_degree
+        elif self.ring_degree != axes.ring_degree:
+            raise ValueError(
+                f"{type(self).__name__}(ring_degree={self.ring_degree}) applied to a mesh whose "
+                f"ring axis has {axes.ring_degree} ranks ({mesh.mesh_dim_names}); construct it "
+                f"with ring_degree={axes.ring_degree} or pass the matching mesh"
+            )
         return axes
 
+    def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
+        params = super()._params(module, axes, seq_len)
+        if self.chunk_tokens is None:
+            return params
+        chunks = chunk_count(seq_len, axes.cp_degree, self.chunk_tokens)
+        return dataclasses.replace(params, chunks=chunks, store_name=self.host.name)
+
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
-        return upipe_attention(
-            x, module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, rope,
-            doc_ids=doc_ids,
-            group_name=axes.head_group, cp_size=axes.head_size,
-            ring_group_name=axes.ring_group, ring_size=axes.ring_size,
-            head_dim=module.head_dim,
-            heads_per_stage=self._stage_size(module.n_heads, axes.head_size),
-            backend=self.backend,
+        if self.chunk_tokens is None:
+            return super()._attend(module, axes, x, rope, doc_ids)
+        params = self._params(module, axes, x.shape[1] * axes.cp_degree)
+        return fpdt_attention(
+            x,
+            module.wq.weight,
+            module.wk.weight,
+            module.wv.weight,
+            module.wo.weight,
+            rope,
+            doc_ids,
+            params,
         )
 
 
@@ -190,21 +282,22 @@ class UlyssesAttention(UPipeAttention):
     they run.
     """
 
-    def __init__(self, *, backend: str = "auto") -> None:
-        super().__init__(backend=backend)
+    def __init__(self, *, ring_degree: int | None = None, backend: str = "auto") -> None:
+        super().__init__(ring_degree=ring_degree, backend=backend)
 
-    def _stage_size(self, n_heads: int, head_size: int) -> int:
+    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
         return n_heads
 
 
-class RingAttention(_ContextParallelAttention):
+class RingAttention(ContextParallelAttention):
     """Ring attention over the CP mesh, load-balanced for causal attention.
 
     Each rank holds two chunks of the sequence cut into 2C chunks, chunk r and chunk 2C-1-r
     (``layouts.ring_positions``; any S divisible by C), projects Q/K/V for all its tokens and heads,
     and passes K/V around the ring, merging the partial results exactly through their
     log-sum-exp (``parallel.ring``). Any number of KV heads works (no head-count limit). Same
-    positions, document-mask and numerics contract as ``UPipeAttention``.
+    positions, document-mask and numerics contract as ``UPipeAttention``; the same staged op
+    (one stage of every head, no head axis) as 2D UPipe.
 
     Keyword Args:
         backend (str): local attention kernel, as for ``UPipeAttention``.
@@ -219,68 +312,45 @@ class RingAttention(_ContextParallelAttention):
         _require_mesh_dims(self, mesh, (1,))
         return _Axes("", 1, _group_name(mesh, 0), mesh.size(), mesh.get_local_rank())
 
-    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
-        return upipe_attention(
-            x, module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, rope,
-            doc_ids=doc_ids,
-            group_name="", cp_size=1, ring_group_name=axes.ring_group, ring_size=axes.ring_size,
-            head_dim=module.head_dim, heads_per_stage=module.n_heads, backend=self.backend,
-        )
 
-
-class FPDTAttention(_ContextParallelAttention):
+class FPDTAttention(UPipeAttention):
     """FPDT (arXiv 2408.16978): Ulysses attention over sequence chunks, earlier K/V on the host.
 
     Each rank's shard is ``ceil(S / chunk_tokens)`` chunks in FPDT's chunk-strided layout
     (``layouts.chunked_positions``): the all-to-all of chunk i gathers global chunk i of at most
     ``chunk_tokens`` tokens; its queries attend to it and to every earlier chunk, fetched back from
     host memory one at a time and merged through the log-sum-exp (``parallel.fpdt_attention``).
-    Device memory for attention does not grow with the number of chunks. Same positions,
-    document-mask and numerics contract as ``UPipeAttention``.
+    Device memory for attention does not grow with the number of chunks. Every head runs in one
+    stage, as published; UPipe x FPDT (fewer heads per stage) is
+    ``UPipeAttention(heads_per_stage=U, chunk_tokens=...)``. Same positions, document-mask and
+    numerics contract as ``UPipeAttention``.
 
     Keyword Args:
         chunk_tokens (int): tokens per global chunk (after the all-to-all); at least the CP degree.
-        heads_per_stage (int, optional): query heads per stage; ``None`` is all heads (FPDT as
-            published); fewer is UPipe x FPDT, heads and sequence both chunked.
         backend (str): local attention kernel, as for ``UPipeAttention``.
         host_device (torch.device): where earlier chunks are parked (pinned on CUDA); the memory
             planner passes a stand-in it counts as host memory.
     """
 
     def __init__(
-        self, *, chunk_tokens: int, heads_per_stage: int | None = None, backend: str = "auto",
+        self,
+        *,
+        chunk_tokens: int,
+        backend: str = "auto",
         host_device: torch.device = torch.device("cpu"),
     ) -> None:
-        super().__init__(backend=backend)
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}")
-        self.chunk_tokens = chunk_tokens
-        self.heads_per_stage = heads_per_stage
-        self.host = HostMemory(host_device)
+        super().__init__(chunk_tokens=chunk_tokens, backend=backend, host_device=host_device)
 
-    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
-        """Rank r's chunk i is global piece i*C + r (FPDT's Figure 6)."""
-        chunks = chunk_count(seq_len, cp_size, self.chunk_tokens)
-        return chunked_positions(seq_len, cp_rank, cp_size, chunks)
-
-    def _stage_size(self, n_heads: int, head_size: int) -> int:
-        return n_heads if self.heads_per_stage is None else self.heads_per_stage
-
-    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
-        seq_len = x.shape[1] * axes.cp_size
-        return fpdt_attention(
-            x, module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, rope,
-            doc_ids=doc_ids,
-            group_name=axes.head_group, cp_size=axes.head_size, head_dim=module.head_dim,
-            heads_per_stage=self._stage_size(module.n_heads, axes.head_size),
-            chunks=chunk_count(seq_len, axes.cp_size, self.chunk_tokens),
-            store_name=self.host.name, backend=self.backend,
-        )
+    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
+        return n_heads
 
 
 def _check_attention_module(module: nn.Module) -> None:
-    missing = [a for a in ("wq", "wk", "wv", "wo", "n_heads", "n_kv_heads", "head_dim")
-               if not hasattr(module, a)]
+    missing = [
+        a
+        for a in ("wq", "wk", "wv", "wo", "n_heads", "n_kv_heads", "head_dim")
+        if not hasattr(module, a)
+    ]
     if missing:
         raise ValueError(
             f"context-parallel attention styles apply to torchtitan Llama3 Attention modules; "
@@ -310,7 +380,7 @@ def _check_attention_module(module: nn.Module) -> None:
 
 def _cp_attention_forward(
     module: nn.Module,
-    style: _ContextParallelAttention,
+    style: ContextParallelAttention,
     axes: _Axes,
     x: Tensor,
     freqs_cis: Tensor,
@@ -319,17 +389,17 @@ def _cp_attention_forward(
 ) -> Tensor:
     """Drop-in for torchtitan ``Attention.forward`` on a sequence shard."""
     local_len = x.shape[1]
-    seq_len = local_len * axes.cp_size
+    seq_len = local_len * axes.cp_degree
     if attention_masks is not None:
         _check_document_ids(attention_masks, x.shape[0], seq_len)
     if positions is None:
         if freqs_cis.is_complex() and seq_len > freqs_cis.shape[0]:  # a torchtitan position table
             raise ValueError(
-                f"sequence length {seq_len} (= {local_len} local tokens x cp {axes.cp_size}) "
+                f"sequence length {seq_len} (= {local_len} local tokens x cp {axes.cp_degree}) "
                 f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "
                 f"model with max_seq_len >= {seq_len}"
             )
-        positions = style.shard_positions(seq_len, axes.cp_rank, axes.cp_size).to(x.device)
+        positions = style.shard_positions(seq_len, axes.cp_rank, axes.cp_degree).to(x.device)
     elif positions.shape[-1] != local_len or positions.dim() != 2:
         raise ValueError(
             f"positions must be (1, {local_len}) or (B, {local_len}) global indices of this "
@@ -341,9 +411,13 @@ def _cp_attention_forward(
 
 
 def _check_document_ids(doc_ids: object, batch: int, seq_len: int) -> None:
-    if not isinstance(doc_ids, Tensor) or doc_ids.shape != (batch, seq_len) or doc_ids.is_floating_point():
+    if (
+        not isinstance(doc_ids, Tensor)
+        or doc_ids.shape != (batch, seq_len)
+        or doc_ids.is_floating_point()
+    ):
         shape = tuple(doc_ids.shape) if isinstance(doc_ids, Tensor) else type(doc_ids).__name__
         raise ValueError(
             f"attention_masks must be None (causal) or the ({batch}, {seq_len}) integer document "
-            f"ids of the whole sequence (upipe_dtensor.documents.document_ids), got {shape}"
+            f"ids of the whole sequence (upipe_dtensor.data.documents.document_ids), got {shape}"
         )

@@ -1,0 +1,26 @@
+"""The job configuration: ``schema`` (the dataclasses), ``loader`` (TOML, ``extends``,
+``--section.key`` overrides, ``--help``) and ``checks`` (combinations that cannot run).
+
+Everything a caller needs is importable from here: ``from upipe_dtensor.config import JobConfig,
+parse_args, check_job, ConfigError``.
+"""
+
+from upipe_dtensor.config.checks import check_job
+from upipe_dtensor.config.loader import config_help, load_config, parse_args
+from upipe_dtensor.config.schema import (
+    CP_STYLES,
+    FPDT_PAPER_CHUNK_TOKENS,
+    ConfigError,
+    JobConfig,
+)
+
+__all__ = [
+    "CP_STYLES",
+    "FPDT_PAPER_CHUNK_TOKENS",
+    "ConfigError",
+    "JobConfig",
+    "check_job",
+    "config_help",
+    "load_config",
+    "parse_args",
+]

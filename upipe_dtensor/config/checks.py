@@ -1,0 +1,248 @@
+"""Job checks: combinations of keys that cannot run, found before any process group exists.
+
+Each check names where the offending values were set (file or command line) and a fix. The
+checks of things that live elsewhere are asked of their owners: the model shape of
+``models.hf_config``, the head geometry of ``parallel.head_schedule``, the chunk layout of
+``parallel.layouts``, the initial weights of ``checkpointing.weights``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from upipe_dtensor.checkpointing.weights import check_initial_load
+from upipe_dtensor.config.schema import ConfigError, JobConfig
+from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.parallel.head_schedule import make_head_schedule
+from upipe_dtensor.parallel.layouts import chunk_count
+
+
+def _check_positive(config: JobConfig, fail) -> None:
+    for section, key, minimum in (
+        ("training", "steps", 1),
+        ("training", "seq_len", 1),
+        ("training", "local_batch_size", 1),
+        ("training", "gradient_accumulation_steps", 1),
+        ("parallelism", "context_parallel_degree", 1),
+        ("parallelism", "ring_degree", 1),
+        ("parallelism", "fpdt_chunk_tokens", 0),
+        ("lr_scheduler", "warmup_steps", 0),
+        ("checkpoint", "interval", 1),
+        ("checkpoint", "keep_latest_k", 0),
+        ("metrics", "log_freq", 1),
+        ("activation_checkpoint", "cpu_offload_skip_last", 0),
+        ("activation_checkpoint", "blocks_per_checkpoint", 1),
+        ("memory", "mlp_tile_tokens", 0),
+        ("memory", "norm_tile_tokens", 0),
+        ("memory", "loss_chunk_tokens", 1),
+        ("model", "rope_theta", 0),
+        ("model", "rope_scaling_factor", 0),
+        ("model", "rope_low_freq_factor", 0),
+        ("model", "rope_high_freq_factor", 0),
+        ("model", "rope_original_max_position_embeddings", 0),
+    ):
+        value = getattr(getattr(config, section), key)
+        if value < minimum:
+            fail(f"[{section}] {key} = {value} must be >= {minimum}", f"{section}.{key}")
+    if config.optimizer.lr <= 0:
+        fail(f"[optimizer] lr = {config.optimizer.lr} must be > 0", "optimizer.lr")
+    if config.training.max_norm < 0:
+        fail(
+            f"[training] max_norm = {config.training.max_norm} must be >= 0 (0 disables clipping)",
+            "training.max_norm",
+        )
+    if not 0 <= config.lr_scheduler.min_lr_factor <= 1:
+        fail(
+            f"[lr_scheduler] min_lr_factor = {config.lr_scheduler.min_lr_factor} must be in [0, 1]",
+            "lr_scheduler.min_lr_factor",
+        )
+    if config.job.stop_grace_seconds <= 0:
+        fail(
+            f"[job] stop_grace_seconds = {config.job.stop_grace_seconds} must be > 0",
+            "job.stop_grace_seconds",
+        )
+    if config.checkpoint.load_step < -1 or config.checkpoint.load_step == 0:
+        fail(
+            f"[checkpoint] load_step = {config.checkpoint.load_step} must be -1 (the latest "
+            "snapshot) or a snapshot's step",
+            "checkpoint.load_step",
+        )
+
+
+def _check_context_parallel(config: JobConfig, args, fail) -> None:
+    """The CP style's geometry: ring and head axes, heads per stage, FPDT chunks."""
+
+    parallelism = config.parallelism
+    cp, ring, style = (
+        parallelism.context_parallel_degree,
+        parallelism.ring_degree,
+        parallelism.cp_style,
+    )
+    if ring < 1 or cp % ring:
+        divisors = [r for r in range(1, cp + 1) if cp % r == 0]
+        fail(
+            f"[parallelism] ring_degree = {ring} must divide context_parallel_degree = {cp}; "
+            f"use one of {divisors}",
+            "parallelism.ring_degree",
+            "parallelism.context_parallel_degree",
+        )
+    if ring > 1 and style not in ("upipe", "ulysses"):
+        fail(
+            f"[parallelism] ring_degree = {ring} adds a ring axis to cp_style 'upipe' or "
+            "'ulysses'; "
+            f"cp_style {style!r} "
+            + ("is already a ring over all C ranks" if style == "ring" else "has no ring axis")
+            + ": set ring_degree = 1",
+            "parallelism.ring_degree",
+            "parallelism.cp_style",
+        )
+    if parallelism.heads_per_stage and style in ("ulysses", "ring", "fpdt"):
+        hint = (
+            " (FPDT runs all heads per chunk, as published; for UPipe x FPDT use cp_style = "
+            "'upipe' with fpdt_chunk_tokens > 0)"
+            if style == "fpdt"
+            else ""
+        )
+        fail(
+            f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it{hint}",
+            "parallelism.heads_per_stage",
+            "parallelism.cp_style",
+        )
+    if parallelism.fpdt_chunk_tokens and style in ("ulysses", "ring"):
+        fail(
+            f"[parallelism] fpdt_chunk_tokens applies to cp_style 'fpdt' and 'upipe' (UPipe x "
+            f"FPDT), not {style!r}; remove it",
+            "parallelism.fpdt_chunk_tokens",
+            "parallelism.cp_style",
+        )
+    if style == "ring":  # any number of heads: nothing is exchanged by head
+        return
+    if parallelism.chunk_tokens:
+        if ring > 1:
+            fail(
+                "[parallelism] fpdt_chunk_tokens (sequence chunks) and ring_degree > 1 cannot be "
+                "combined: chunk the sequence on one node, or use a ring across nodes",
+                "parallelism.fpdt_chunk_tokens",
+                "parallelism.ring_degree",
+            )
+        try:
+            chunk_count(config.training.seq_len, cp, parallelism.chunk_tokens)
+        except ValueError as err:
+            fail(
+                f"[parallelism] fpdt_chunk_tokens = {parallelism.chunk_tokens}: {err}",
+                "parallelism.fpdt_chunk_tokens",
+                "training.seq_len",
+                "parallelism.context_parallel_degree",
+            )
+    heads = parallelism.head_degree
+    try:
+        make_head_schedule(
+            args.n_heads,
+            args.n_kv_heads or args.n_heads,
+            heads,
+            parallelism.stage_heads(args.n_heads),
+        )
+    except ValueError as err:
+        axis = f"head axis of {heads} ranks (C / ring_degree)" if ring > 1 else f"cp degree {cp}"
+        fail(
+            f"[parallelism] cp_style {style!r} over a {axis}, flavor {config.model.flavor!r}: "
+            f"{err}",
+            "model.flavor",
+            "parallelism.cp_style",
+            "parallelism.heads_per_stage",
+            "parallelism.context_parallel_degree",
+            "parallelism.ring_degree",
+        )
+
+
+def check_job(config: JobConfig, world_size: int) -> int:
+    """Reject impossible combinations before any heavy work; returns the dp_shard degree."""
+
+    def fail(reason: str, *keys: str) -> None:
+        """``keys``: the ``"section.key"`` values at fault; the message names where they were
+        set."""
+        raise ConfigError(f"{config.source_of(*keys)}: {reason}")
+
+    _check_positive(config, fail)
+    parallelism, training = config.parallelism, config.training
+    cp = parallelism.context_parallel_degree
+    cp_key, dp_key = "parallelism.context_parallel_degree", "parallelism.data_parallel_shard_degree"
+    if world_size % cp:
+        fail(
+            f"[parallelism] context_parallel_degree = {cp} does not divide the {world_size} "
+            f"launched processes; launch a multiple of {cp} or change the degree",
+            cp_key,
+        )
+    dp = parallelism.data_parallel_shard_degree
+    if dp == -1:
+        dp = world_size // cp
+    if dp * cp != world_size:
+        fail(
+            f"[parallelism] data_parallel_shard_degree {dp} x context_parallel_degree {cp} = "
+            f"{dp * cp} != {world_size} launched processes; set data_parallel_shard_degree = "
+            f"{world_size // cp} (or -1)",
+            dp_key,
+            cp_key,
+        )
+    if training.seq_len % cp:
+        fail(
+            f"[training] seq_len = {training.seq_len} is not divisible by context_parallel_degree "
+            f"= {cp}; use a multiple of {cp}, e.g. {training.seq_len // cp * cp or cp}",
+            "training.seq_len",
+            cp_key,
+        )
+    if config.model.name != "llama3":
+        fail(f"[model] name = {config.model.name!r}: only 'llama3' is supported", "model.name")
+    model_keys = ("model.flavor", "model.hf_assets_path", "training.seq_len")
+    try:
+        args = model_args(config.model, training.seq_len)
+    except ValueError as err:
+        fail(str(err), *model_keys)
+    try:
+        check_initial_load(config, args)
+    except ValueError as err:
+        fail(str(err), "checkpoint.initial_load_path", "checkpoint.initial_load_in_hf", *model_keys)
+    if config.activation_checkpoint.cpu_offload and config.activation_checkpoint.mode != "full":
+        fail(
+            "[activation_checkpoint] cpu_offload moves the inputs that full checkpointing keeps; "
+            "set mode = 'full' as well",
+            "activation_checkpoint.cpu_offload",
+            "activation_checkpoint.mode",
+        )
+    if (
+        config.activation_checkpoint.blocks_per_checkpoint > 1
+        and config.activation_checkpoint.mode != "full"
+    ):
+        fail(
+            "[activation_checkpoint] blocks_per_checkpoint groups blocks for full checkpointing; "
+            "set mode = 'full' as well",
+            "activation_checkpoint.blocks_per_checkpoint",
+            "activation_checkpoint.mode",
+        )
+    _check_context_parallel(config, args, fail)
+    dataset = training.dataset
+    if not dataset.strip() or dataset != dataset.strip():
+        fail(
+            f"[training] dataset = {dataset!r}: use 'local' (files at dataset_path) or a Hugging "
+            "Face dataset name without surrounding spaces",
+            "training.dataset",
+        )
+    if dataset == "local" and not os.path.exists(training.dataset_path):
+        fail(
+            f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
+            f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name",
+            "training.dataset_path",
+        )
+    if not os.path.exists(config.model.tokenizer_folder):
+        fail(
+            f"[model] tokenizer_path = {config.model.tokenizer_path!r} (hf_assets_path = "
+            f"{config.model.hf_assets_path!r}) does not exist; point it at a folder with a "
+            f"Hugging Face tokenizer.json",
+            "model.tokenizer_path",
+            "model.hf_assets_path",
+        )
+    if not config.job.dump_folder.strip():
+        fail(
+            "[job] dump_folder is empty; name a folder for logs and checkpoints", "job.dump_folder"
+        )
+    return dp

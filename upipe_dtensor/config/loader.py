@@ -1,0 +1,260 @@
+"""Loading a job: TOML files (with ``extends``) and ``--section.key value`` overrides, typed
+against the schema, and the ``--help`` text made from the schema's field docstrings.
+
+A file may name a base file with a top-level ``extends = "base.toml"`` (relative to itself); the
+base is loaded first and the file's keys win. Every problem (unknown section or key, wrong type,
+bad TOML, a missing file) raises ``ConfigError`` naming the file, the key and a fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from upipe_dtensor.config.schema import ConfigError, JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(JobConfig)
+        if dataclasses.is_dataclass(hints[f.name])
+    }
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would write it: relative to the working directory when inside it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _from_text(value: str, annotation: Any) -> Any:
+    """A command-line string converted to the field's type, or the string if it does not convert."""
+    if annotation is bool and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        if annotation is kind:
+            try:
+                return kind(value.replace("_", "")) if kind is int else kind(value)
+            except ValueError:
+                return value
+    optional = typing.get_args(annotation)
+    if optional and type(None) in optional and typing.get_origin(annotation) is not Literal:
+        inner = next(a for a in optional if a is not type(None))
+        return None if value in ("none", "None") else _from_text(value, inner)
+    return value
+
+
+def _coerce(value: Any, annotation: Any, where: str, *, from_text: bool = False) -> Any:
+    """Check ``value`` against a field's annotation. Only command-line strings (``from_text``) are
+    converted: in a TOML file ``seq_len = "256"`` is a string, and TOML has typed values for
+    that."""
+    if from_text:
+        value = _from_text(value, annotation)
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{where} = {value!r} is not one of {list(choices)}")
+        return value
+    optional = typing.get_args(annotation)
+    if optional and type(None) in optional:  # X | None
+        if value is None:
+            return None
+        annotation = next(a for a in optional if a is not type(None))
+    if annotation is bool and isinstance(value, bool):
+        return value
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is str and isinstance(value, str):
+        return value
+    type_name = getattr(annotation, "__name__", str(annotation))
+    fix = "; write it without quotes" if isinstance(value, str) and not from_text else ""
+    raise ConfigError(f"{where} = {value!r} should be of type {type_name}{fix}")
+
+
+def _read_toml(
+    path: Path, seen: tuple[Path, ...] = (), extended_by: str = ""
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The file's sections merged over its ``extends`` chain (base first), and the file that set
+    each ``"section.key"``. ``extended_by`` names the file whose ``extends`` pointed here."""
+    shown = _shown(path)
+    if not path.is_file():
+        if path.is_dir():
+            tomls = sorted(_shown(p) for p in path.glob("*.toml"))[:5]
+            example = f", e.g. {', '.join(tomls)}" if tomls else ""
+            raise ConfigError(
+                f"{extended_by}config file {shown} is a folder; pass a .toml job file{example}"
+            )
+        fix = (
+            "fix the path (relative to that file)"
+            if extended_by
+            else "pass --config PATH to a .toml job file"
+        )
+        raise ConfigError(f"{extended_by}config file {shown} does not exist; {fix}")
+    if path in seen:
+        raise ConfigError(f"{shown}: 'extends' cycle through {' -> '.join(map(_shown, seen))}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{shown}: invalid TOML: {err}") from err
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    base = raw.pop("extends", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{shown}: extends = {base!r} should be a path string")
+        merged, sources = _read_toml(
+            (path.parent / base).resolve(), seen + (path,), f"{shown}: extends = {base!r}, but the "
+        )
+    sections = _sections()
+    for name, table in raw.items():
+        if name not in sections:
+            raise ConfigError(
+                f"{shown}: unknown section [{name}]; known sections: {sorted(sections)}"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{shown}: '{name}' must be a [{name}] table, not a value")
+        known = _field_types(sections[name])
+        for key, value in table.items():
+            if key not in known:
+                raise ConfigError(
+                    f"{shown}: unknown key [{name}] {key}; known keys of [{name}]: {sorted(known)}"
+                )
+            merged.setdefault(name, {})[key] = _coerce(
+                value, known[key], f"{shown}: [{name}] {key}"
+            )
+            sources[f"{name}.{key}"] = shown
+    return merged, sources
+
+
+def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """``--section.key value`` (or ``--section.key=value``) pairs, typed against the dataclasses."""
+    overrides: dict[str, dict[str, Any]] = {}
+    sections = _sections()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"command line: expected --section.key value, got {arg!r}; "
+                "sections and keys are listed by --help"
+            )
+        name_key, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ConfigError(f"command line: {arg} needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        section, _, key = name_key.partition(".")
+        if section not in sections:
+            raise ConfigError(
+                f"command line: unknown section in --{name_key}; known: {sorted(sections)}"
+            )
+        known = _field_types(sections[section])
+        if key not in known:
+            raise ConfigError(
+                f"command line: unknown key --{name_key}; known keys of [{section}]: "
+                f"{sorted(known)}"
+            )
+        overrides.setdefault(section, {})[key] = _coerce(
+            value, known[key], f"command line: --{name_key}", from_text=True
+        )
+    return overrides
+
+
+def load_config(config_file: str | None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults <- the TOML file (and its bases) <- command-line overrides; validated types."""
+    values: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    if config_file is not None:
+        values, sources = _read_toml(Path(config_file).resolve())
+    for section, table in _parse_overrides(overrides or []).items():
+        values.setdefault(section, {}).update(table)
+        sources.update({f"{section}.{key}": "command line" for key in table})
+    sections = _sections()
+    return JobConfig(
+        **{name: sections[name](**values.get(name, {})) for name in sections},
+        config_file=config_file,
+        sources=sources,
+    )
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """``--config FILE.toml`` (optional: defaults otherwise) and any ``--section.key value``
+    overrides."""
+    config_file = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("command line: --config needs a path to a .toml job file")
+            config_file, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            config_file, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return load_config(config_file, rest)
+
+
+def _field_docs(section_cls: type) -> dict[str, str]:
+    """The docstring under each field of a section (Python keeps none at run time: read the
+    source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(section_cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def config_help() -> str:
+    """Every ``--section.key`` with its type, default and docstring, for ``train.py --help``."""
+    lines = []
+    for name, section_cls in _sections().items():
+        lines.append(f"[{name}]")
+        docs = _field_docs(section_cls)
+        for f in dataclasses.fields(section_cls):
+            annotation = _field_types(section_cls)[f.name]
+            kind = (
+                " | ".join(map(repr, typing.get_args(annotation)))
+                if typing.get_origin(annotation) is Literal
+                else getattr(annotation, "__name__", str(annotation))
+            )
+            lines.append(f"  --{name}.{f.name} ({kind}, default {f.default!r})")
+            if f.name in docs:
+                lines.append(
+                    textwrap.fill(
+                        docs[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6
+                    )
+                )
+    return "\n".join(lines)

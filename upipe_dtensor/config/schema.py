@@ -1,0 +1,288 @@
+"""The job configuration's schema: one dataclass per TOML section, a docstring under each field.
+
+Section and key names follow torchtitan's ``JobConfig`` where torchtitan has them, so a torchtitan
+user reads our files without a glossary. ``--help`` prints the field docstrings. This module
+imports nothing of the project: derived values (the resolved heads per stage, the head-axis
+degree) are properties here, computed in one place for every reader.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A job configuration that cannot run; the message names the source, the key and a fix."""
+
+
+CpStyle = Literal["upipe", "ulysses", "ring", "fpdt"]
+"""The context-parallel attention styles; ``CP_STYLES`` (and so the planner's ``--styles``)
+follows."""
+CP_STYLES: tuple[str, ...] = typing.get_args(CpStyle)
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder for this job's logs, tensorboard events and checkpoints."""
+    description: str = "default job"
+    """Free text, printed at start-up."""
+    stop_grace_seconds: float = 20.0
+    """After SIGTERM or SIGUSR1, wait this long for the running step to end, then save a snapshot
+    and exit; if the step is still running then, exit at once without one. Keep it below the
+    scheduler's kill delay (torchrun, Slurm KillWait, Kubernetes: 30 s) minus a save's time."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family; only torchtitan's Llama3 is supported."""
+    flavor: str = "debugmodel"
+    """Size preset: debugmodel, 8B or 32B (see upipe_dtensor.models), or 'hf': the shape in
+    hf_assets_path/config.json (a named flavor must agree with that file when both are given)."""
+    tokenizer_path: str = "assets/tokenizer"
+    """Folder holding a Hugging Face tokenizer.json (or the file itself); empty means the one in
+    hf_assets_path."""
+    hf_assets_path: str = ""
+    """A Hugging Face model folder (config.json, *.safetensors, tokenizer.json): the shape for
+    flavor 'hf', and the weights that [checkpoint] initial_load_in_hf reads by default."""
+    rope_theta: float = 0.0
+    """RoPE base; 0 keeps the flavor's (or config.json's). Context extension often raises it."""
+    rope_scaling_factor: float = 0.0
+    """Llama3 RoPE scaling: long wavelengths are slowed down by this factor (1 = no scaling);
+    0 keeps the flavor's (or config.json's)."""
+    rope_low_freq_factor: float = 0.0
+    """Llama3 RoPE scaling: wavelengths above original_max_position_embeddings / this are scaled
+    fully; 0 keeps the flavor's."""
+    rope_high_freq_factor: float = 0.0
+    """Llama3 RoPE scaling: wavelengths below original_max_position_embeddings / this are kept;
+    0 keeps the flavor's."""
+    rope_original_max_position_embeddings: int = 0
+    """Llama3 RoPE scaling: the context the unscaled model was trained at; 0 keeps the flavor's."""
+
+    @property
+    def tokenizer_folder(self) -> str:
+        """Where the tokenizer is read from: tokenizer_path, else hf_assets_path."""
+        return self.tokenizer_path or self.hf_assets_path
+
+
+@dataclass
+class Training:
+    dataset: str = "local"
+    """'local' reads dataset_path; any other value is a Hugging Face dataset name (streamed)."""
+    dataset_path: str = "assets/corpus"
+    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them."""
+    dataset_text_field: str = "text"
+    """Field (jsonl) or column (parquet, HF) holding each document's text."""
+    local_batch_size: int = 1
+    """Sequences per data-parallel rank per micro-batch."""
+    seq_len: int = 2048
+    """Tokens per sequence (the whole context; each CP rank holds seq_len / cp of it)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    steps: int = 100
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm (0 disables clipping)."""
+    seed: int = 0
+    """Seed for weight initialisation."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """FSDP2 parameter dtype for compute (CUDA only; CPU always computes in float32)."""
+    mixed_precision_reduce: Literal["float32"] = "float32"
+    """FSDP2 gradient reduction dtype."""
+    enable_cpu_offload: bool = False
+    """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live in host memory
+    and the optimizer steps there (frees ~12 GiB/GPU for 8B on 8 GPUs; costs host bandwidth)."""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """'document': a token attends only to earlier tokens of its own document in a packed
+    sequence (documents end at each EOS; torchtitan's block_causal). 'causal': across documents."""
+    position_ids: Literal["global", "document"] = "global"
+    """RoPE positions: 'global' counts from the sequence start, 'document' restarts at 0 at
+    every document start (after each EOS)."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    """FSDP data-parallel degree; -1 uses every rank not taken by context parallelism."""
+    context_parallel_degree: int = 1
+    """C: ranks that split each sequence (innermost mesh dimension)."""
+    cp_style: CpStyle = "upipe"
+    """Context-parallel attention: UPipe (a few heads per stage), classic Ulysses (all heads),
+    ring attention (K/V passed around the CP group) or FPDT (Ulysses over sequence chunks, earlier
+    chunks' K/V in host memory)."""
+    heads_per_stage: int = 0
+    """UPipe's U, query heads per stage across the head axis; 0 means U = C / ring_degree."""
+    ring_degree: int = 1
+    """R > 1: 2D context parallelism for upipe/ulysses, a ring of R ranks (across nodes) times a
+    head axis of C / R ranks (inside a node); R divides context_parallel_degree."""
+    fpdt_chunk_tokens: int = 0
+    """Tokens per sequence chunk after the all-to-all, earlier chunks' K/V waiting in host memory.
+    fpdt: 0 means 65536, the FPDT paper's setting. upipe: 0 runs each head stage over the whole
+    sequence; a value > 0 is UPipe x FPDT, heads and sequence both chunked (the longest
+    contexts)."""
+    fsdp_reshard_after_forward: bool = True
+    """Free gathered parameters after each block's forward (re-gathered in backward)."""
+
+    @property
+    def world_size(self) -> int:
+        """The processes the job asks for: context_parallel_degree x data_parallel_shard_degree
+        (x 1 when the dp degree is -1, 'every rank launched')."""
+        return self.context_parallel_degree * max(self.data_parallel_shard_degree, 1)
+
+    @property
+    def head_degree(self) -> int:
+        """C_h, the ranks that exchange heads by all-to-all: C / ring_degree (1 for ring
+        attention, which has no head axis)."""
+        if self.cp_style == "ring":
+            return 1
+        return self.context_parallel_degree // self.ring_degree
+
+    def stage_heads(self, n_heads: int) -> int:
+        """U resolved for a model of ``n_heads`` query heads: heads_per_stage (or C_h when 0)
+        for upipe, every head for ulysses, ring and fpdt."""
+        if self.cp_style == "upipe":
+            return self.heads_per_stage or self.head_degree
+        return n_heads
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The sequence chunk the style runs (0: none): fpdt_chunk_tokens as fpdt or upipe use
+        it."""
+        if self.cp_style == "fpdt":
+            return self.fpdt_chunk_tokens or FPDT_PAPER_CHUNK_TOKENS
+        return self.fpdt_chunk_tokens if self.cp_style == "upipe" else 0
+
+
+FPDT_PAPER_CHUNK_TOKENS = 65536
+"""The FPDT paper's chunk for Llama3-8B on 8 GPUs (``--ds-sequence-parallel-fpdt-chunk-size``)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full"] = "none"
+    """'full' recomputes each TransformerBlock in backward, keeping only its input."""
+    cpu_offload: bool = False
+    """Keep the checkpointed block inputs in host memory (async pinned copies, prefetched)."""
+    cpu_offload_skip_last: int = 1
+    """The last N blocks keep their inputs on the device: backward needs them first."""
+    blocks_per_checkpoint: int = 1
+    """Blocks checkpointed together, keeping one saved input per group: k > 1 divides the host
+    (or device) memory of saved block inputs by k, for one more forward of k - 1 blocks per group
+    in backward and k - 1 more block inputs on the device while a group recomputes."""
+    cpu_offload_prefetch: bool = True
+    """Copy the next block's input back while the current block recomputes. At millions of
+    tokens a block takes minutes and the copy a fraction of a second, so the long recipes turn it
+    off: the prefetched input would sit on the device through the whole block (one more (S/C, D)
+    tensor at the peak)."""
+
+
+@dataclass
+class Memory:
+    tiled_mlp: bool = False
+    """Run each SwiGLU MLP over tiles of tokens, recomputing a tile's hidden state in backward."""
+    mlp_tile_tokens: int = 0
+    """Tokens per MLP tile; 0 means the model width (ceil(tokens / dim) tiles)."""
+    tiled_rms_norm: bool = False
+    """Run every RMSNorm over tiles of tokens: no full-size float32 intermediates are kept."""
+    norm_tile_tokens: int = 0
+    """Tokens per RMSNorm tile; 0 means the model width."""
+    chunked_loss: bool = False
+    """Fuse the output projection and cross-entropy over token chunks: no full logits."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per loss chunk (one chunk of float32 logits, chunk x vocab, is alive at a time)."""
+    expandable_segments: bool = True
+    """CUDA: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, so the per-stage and per-tile
+    buffers of different sizes do not fragment the caching allocator (unless already set)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer; AdamW (fused kernel on CUDA)."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    decay_type: Literal["linear", "cosine"] = "cosine"
+    """Shape of the decay after warmup."""
+    min_lr_factor: float = 0.0
+    """The decay ends at lr * min_lr_factor."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save torch.distributed.checkpoint snapshots and resume from the latest one."""
+    folder: str = "checkpoint"
+    """Sub-folder of job.dump_folder that holds step-N snapshots."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 2
+    """Delete older snapshots, keeping this many (0 keeps all)."""
+    load_step: int = -1
+    """Resume from this step's snapshot; -1 picks the latest complete one."""
+    initial_load_path: str = ""
+    """Weights to start from when there is no snapshot to resume from yet (snapshots win): a
+    DCP checkpoint (model-only, or one of our snapshots), or with initial_load_in_hf a Hugging
+    Face folder; empty with initial_load_in_hf means [model] hf_assets_path."""
+    initial_load_in_hf: bool = False
+    """initial_load_path (or hf_assets_path) is a Hugging Face safetensors folder."""
+    last_save_in_hf: bool = False
+    """After the last step, also write the model as a Hugging Face folder (config.json,
+    safetensors, tokenizer) to {folder}/step-N-hf, loadable by transformers and vLLM."""
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weight dtype of the Hugging Face export (float32 keeps the trained weights exactly)."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Print a metrics line every this many steps."""
+    enable_tensorboard: bool = True
+    """Write the same scalars as tensorboard events."""
+    save_tb_folder: str = "tb"
+    """Sub-folder of job.dump_folder for tensorboard events."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each TransformerBlock (fullgraph)."""
+    backend: str = "inductor"
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    memory: Memory = field(default_factory=Memory)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    compile: Compile = field(default_factory=Compile)
+    config_file: str | None = None
+    """The job file this config was loaded from (set by the loader)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each non-default key was set: ``"section.key"`` -> a file path or ``"command
+    line"``."""
+
+    def source_of(self, *keys: str) -> str:
+        """The file(s) or the command line that set these ``"section.key"`` values, so an error
+        blames where the user wrote the value (defaults are blamed on the job file)."""
+        found = dict.fromkeys(self.sources[key] for key in keys if key in self.sources)
+        return " and ".join(found) or self.config_file or "defaults"

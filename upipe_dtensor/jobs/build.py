@@ -1,0 +1,215 @@
+"""The one path that turns a job config into a parallelised model on its device.
+
+``train.py`` (through ``Trainer``), ``evaluate`` and ``convert`` all build their model here, so a
+model evaluated or exported is laid out, sharded and loaded exactly as the one trained: the job is
+checked, the process group and the (dp_shard, cp) meshes are set up, the model is built on the
+meta device, the CP style, memory stack and FSDP2 are applied, and only then is this rank's shard
+materialised (never the whole model on one rank).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from upipe_dtensor.checkpointing.weights import (
+    initial_load_folder,
+    load_dcp_weights,
+    load_hf_weights,
+)
+from upipe_dtensor.config import ConfigError, JobConfig, check_job
+from upipe_dtensor.data.documents import document_ids, document_positions
+from upipe_dtensor.data.loader import Tokenizer, build_tokenizer
+from upipe_dtensor.jobs.parallelize import ParallelMeshes, build_meshes, parallelize_llama
+from upipe_dtensor.memory.offload import HostOffload
+from upipe_dtensor.models import Llama3, init_sharded_weights
+from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.models.llama3 import Llama3Args
+from upipe_dtensor.parallel import ContextParallelAttention
+
+
+def pick_device() -> tuple[torch.device, str]:
+    """This process's device and process-group backend: its CUDA device under torchrun, else CPU."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _init_process_group(backend: str) -> None:
+    """torchrun's process group; a plain ``python`` run (no RANK in the environment) is a
+    one-process group on a free local port, so evaluate and convert need no launcher for cp = 1."""
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a job's tensors live, when the caller decides instead of the job.
+
+    A real job leaves every field at its default: it picks its device (CUDA if present), builds
+    its meshes, parks offloaded activations on the CPU and computes in mixed precision on CUDA
+    only. The memory planner decides all of it once, here: meshes built before entering a
+    FakeTensorMode (which cannot build one), a device, a stand-in host device it counts as host
+    memory, and mixed precision on to model a GPU run with CPU stand-in tensors.
+    """
+
+    meshes: ParallelMeshes | None = None
+    device: torch.device | None = None
+    host_device: torch.device = torch.device("cpu")
+    mixed_precision: bool | None = None
+    """None: on CUDA only."""
+
+
+@dataclass(frozen=True)
+class JobSetup:
+    """What exists before the model: the checked job, its tokenizer, process group and meshes.
+    A caller (the trainer) can check the data and the snapshot to resume from here, before the
+    expensive part."""
+
+    config: JobConfig
+    args: Llama3Args
+    tokenizer: Tokenizer
+    device: torch.device
+    host_device: torch.device
+    mixed_precision: bool
+    meshes: ParallelMeshes
+    world_size: int
+    dp: int
+    dp_rank: int
+    cp: int
+    cp_rank: int
+
+
+def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetup:
+    """Check ``config`` and the tokenizer (``ConfigError``, before any process group), then set up
+    the process group and the (dp_shard, cp) meshes, as ``placement`` says."""
+    world_size = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    )
+    dp = check_job(config, world_size)  # before any process group or allocation
+    args = model_args(config.model, config.training.seq_len)
+    try:
+        tokenizer = build_tokenizer(config.model.tokenizer_folder)
+    except ValueError as err:
+        where = config.source_of("model.tokenizer_path", "model.hf_assets_path")
+        raise ConfigError(f"{where}: [model] tokenizer_path: {err}") from err
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"{config.source_of('model.tokenizer_path', 'model.flavor')}: the tokenizer at "
+            f"{config.model.tokenizer_folder} has {tokenizer.vocab_size} tokens, more than the "
+            f"model's vocab_size {args.vocab_size} (flavor {config.model.flavor!r})"
+        )
+    if config.memory.expandable_segments:
+        # Before the first CUDA allocation; a user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    device = placement.device
+    if device is None:
+        device, backend = pick_device()
+        if not dist.is_initialized():
+            _init_process_group(backend)
+    parallelism = config.parallelism
+    meshes = placement.meshes or build_meshes(
+        device.type, dp, parallelism.context_parallel_degree, parallelism.ring_degree
+    )
+    mixed_precision = placement.mixed_precision
+    return JobSetup(
+        config=config,
+        args=args,
+        tokenizer=tokenizer,
+        device=device,
+        host_device=placement.host_device,
+        mixed_precision=device.type == "cuda" if mixed_precision is None else mixed_precision,
+        meshes=meshes,
+        world_size=world_size,
+        dp=dp,
+        dp_rank=meshes.dp_shard.get_local_rank(),
+        cp=parallelism.context_parallel_degree,
+        cp_rank=meshes.cp.get_local_rank(),
+    )
+
+
+@dataclass(frozen=True)
+class ParallelModel:
+    """A built, parallelised model, the job setup it was built on, and what its users need to
+    feed it."""
+
+    setup: JobSetup
+    model: Llama3
+    cp_style: ContextParallelAttention
+    """Its ``shard_positions`` says which tokens of a sequence this CP rank feeds."""
+    host_offload: HostOffload | None
+
+    def shard_sequence(self, batch: Tensor) -> Tensor:
+        """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
+        setup = self.setup
+        positions = self.cp_style.shard_positions(batch.shape[1], setup.cp_rank, setup.cp)
+        return batch.index_select(1, positions.to(batch.device)).to(setup.device)
+
+    def document_inputs(self, tokens: Tensor) -> dict[str, Tensor | None]:
+        """The model's ``attention_masks`` and ``positions`` for a batch of whole sequences,
+        as [training] attention_mask and position_ids ask (None: causal, global positions).
+
+        The document ids cover the whole (B, S) sequence: every CP rank builds the whole batch
+        from the loader, so no communication is needed; they cost 4 bytes per token.
+        """
+        training = self.setup.config.training
+        causal = training.attention_mask == "causal" and training.position_ids == "global"
+        if causal:
+            return {"attention_masks": None, "positions": None}
+        doc_ids = document_ids(tokens, self.setup.tokenizer.eos_id)
+        return {
+            "attention_masks": doc_ids.to(self.setup.device)
+            if training.attention_mask == "document"
+            else None,
+            "positions": self.shard_sequence(document_positions(doc_ids))
+            if training.position_ids == "document"
+            else None,
+        }
+
+
+def build_parallel_model(config: JobConfig, setup: JobSetup | None = None) -> ParallelModel:
+    """Check ``config``, set up the process group and meshes (unless ``setup``, the result of
+    ``set_up_job``, is given), build and parallelise the model, and fill it with the seed's
+    initial weights (sharded; loaders overwrite them afterwards)."""
+    setup = setup or set_up_job(config)
+    with torch.device("meta"):
+        model = Llama3(setup.args)
+    parallelized = parallelize_llama(
+        model, setup.meshes, config, setup.device, setup.host_device, setup.mixed_precision
+    )
+    model.to_empty(device=setup.device)
+    init_sharded_weights(model, seed=config.training.seed, device=setup.device)
+    return ParallelModel(
+        setup=setup,
+        model=model,
+        cp_style=parallelized.cp_style,
+        host_offload=parallelized.host_offload,
+    )
+
+
+def load_initial_weights(built: ParallelModel) -> str:
+    """Load [checkpoint] initial_load_path (a Hugging Face folder with initial_load_in_hf, else a
+    DCP checkpoint) into the sharded model; returns what was loaded, for the start-up line.
+
+    Callers load this only when there is no snapshot of the job itself to resume from.
+    """
+    config = built.setup.config
+    folder = initial_load_folder(config)
+    if not folder:
+        return f"seed {config.training.seed} initial weights"
+    if config.checkpoint.initial_load_in_hf:
+        load_hf_weights(built.model, built.model.model_args, folder)
+        return f"Hugging Face weights {folder}"
+    load_dcp_weights(built.model, folder)
+    return f"DCP weights {folder}"

@@ -1,0 +1,119 @@
+"""Convert model weights between our checkpoints and Hugging Face folders.
+
+    # a training snapshot (or model-only checkpoint) -> a Hugging Face folder transformers loads
+    python -m upipe_dtensor.convert --to hf outputs/job/checkpoint/step-1000 exported/ --config
+    job.toml
+    # a Hugging Face folder -> a model-only DCP checkpoint ([checkpoint] initial_load_path)
+    python -m upipe_dtensor.convert --to dcp /models/Llama-3.1-8B llama31_8b_dcp/
+
+``--to hf`` needs the model's shape and RoPE settings: pass the job's config (and any
+``--section.key value`` it was trained with), or at least ``--model.flavor`` (with
+``--model.hf_assets_path`` for flavor 'hf'). config.json keeps the fields of ``hf_assets_path``'s
+own config.json (token ids, ...), with the trained shape and RoPE written over them, and the
+tokenizer files are copied. ``--to dcp`` reads the shape from the source's config.json.
+
+Conversion runs in one process on the CPU and holds the whole model in float32 host memory
+(32 GiB for 8B). At the end of a training run, ``[checkpoint] last_save_in_hf = true`` writes the
+same Hugging Face folder from the sharded model, each rank writing its own shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import torch
+
+from upipe_dtensor.checkpointing.weights import (
+    load_dcp_weights,
+    load_hf_weights,
+    save_dcp_weights,
+    save_hf_weights,
+)
+from upipe_dtensor.config import ConfigError, parse_args
+from upipe_dtensor.jobs.parallelize import DTYPES
+from upipe_dtensor.models.hf_config import args_from_hf, model_args, read_hf_config
+from upipe_dtensor.models.llama3 import Llama3, Llama3Args
+from upipe_dtensor.runtime.errors import run_main
+
+
+def _empty_model(args: Llama3Args) -> Llama3:
+    with torch.device("meta"):
+        model = Llama3(args)
+    return model.to_empty(device="cpu")
+
+
+def to_hf(source: str, target: str, argv: list[str], dtype: str | None) -> str:
+    """A DCP snapshot or model-only checkpoint -> a Hugging Face folder."""
+    config = parse_args(argv)
+    if config.config_file is None and not any(a.startswith("--model.flavor") for a in argv):
+        raise ConfigError(
+            "--to hf needs the model's shape: pass --config JOB.toml (the job that wrote the "
+            "snapshot) or --model.flavor (8B, 32B, debugmodel, or hf with --model.hf_assets_path)"
+        )
+    try:
+        args = model_args(config.model, config.training.seq_len)
+    except ValueError as err:
+        raise ConfigError(f"{config.config_file or 'command line'}: {err}") from err
+    if not (Path(source) / ".metadata").is_file():
+        raise ConfigError(
+            f"{source} is not a DCP checkpoint (no .metadata); pass a step-N snapshot folder"
+        )
+    model = _empty_model(args)
+    load_dcp_weights(model, source)
+    save_hf_weights(
+        model,
+        args,
+        target,
+        dtype=DTYPES[dtype or config.checkpoint.export_dtype],
+        base_folder=config.model.hf_assets_path,
+        tokenizer_folder=config.model.tokenizer_folder,
+    )
+    return f"wrote the Hugging Face model to {target}"
+
+
+def to_dcp(source: str, target: str) -> str:
+    """A Hugging Face folder -> a model-only DCP checkpoint."""
+    try:
+        args = args_from_hf(read_hf_config(source), f"{source}/config.json")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if not any(Path(source).glob("*.safetensors")):
+        raise ConfigError(f"{source} holds no *.safetensors weights")
+    model = _empty_model(args)
+    load_hf_weights(model, args, source)
+    save_dcp_weights(model, target)
+    return (
+        f"wrote a model-only DCP checkpoint to {target}; train from it with [checkpoint] "
+        f"initial_load_path = {target!r} (and [model] flavor = 'hf', hf_assets_path = {source!r})"
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "source", help="snapshot folder (--to hf) or Hugging Face folder (--to dcp)"
+    )
+    parser.add_argument("target", help="folder to write")
+    parser.add_argument("--to", required=True, choices=["hf", "dcp"], help="output format")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weight dtype of a Hugging Face export (default: [checkpoint] export_dtype)",
+    )
+    args, rest = parser.parse_known_args(argv)
+    with warnings.catch_warnings():  # one process, no process group: DCP warns on each call
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return run_main(lambda: _convert(args, rest))
+
+
+def _convert(args: argparse.Namespace, rest: list[str]) -> None:
+    if args.to == "hf":
+        message = to_hf(args.source, args.target, rest, args.dtype)
+    else:
+        if rest:
+            raise ConfigError(f"--to dcp reads everything from {args.source}; unexpected {rest}")
+        message = to_dcp(args.source, args.target)
+    print(message)

@@ -1,0 +1,211 @@
+"""Apply the parallelisms and the memory stack to a Llama3 model in a fixed order:
+CP style -> tiled MLP and RMSNorm -> compile (each block) -> activation checkpointing + host
+offload -> FSDP2.
+
+torchtitan checkpoints before compiling; here compile goes inside the checkpoint wrapper because
+the offload's saved-tensor hooks cannot live inside a fullgraph-compiled region.
+
+The mesh is (dp_shard, cp_ring, cp_heads) with the head axis innermost (the ranks that exchange
+heads are neighbours, i.e. one node's NVLink domain; the ring axis of 2D context parallelism
+crosses nodes). FSDP2 shards parameters over all of it together, as in the UPipe paper: the CP
+ranks hold the same parameters, so sharding over them too divides parameter, gradient and
+optimizer memory by the whole world size.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from upipe_dtensor.config import JobConfig
+from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
+from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
+from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
+from upipe_dtensor.parallel import (
+    ContextParallelAttention,
+    FPDTAttention,
+    RingAttention,
+    UlyssesAttention,
+    UPipeAttention,
+)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    """What ``parallelize_llama`` set up that the caller needs afterwards."""
+
+    cp_style: ContextParallelAttention
+    """The context-parallel style: its ``shard_positions`` lays out every sequence."""
+    host_offload: HostOffload | None
+    """The activation offload (for its host-memory report), if on."""
+
+
+@dataclass(frozen=True)
+class ParallelMeshes:
+    """The (dp_shard, cp_ring, cp_heads) world mesh, its flattened cp and dp_shard x cp meshes.
+
+    The head axis is innermost (one node's NVLink domain carries the all-to-alls), the ring axis
+    crosses nodes; without a ring axis (ring degree 1) cp is the head axis.
+    """
+
+    world: DeviceMesh
+    fsdp: DeviceMesh
+    cp: DeviceMesh
+    """All C context-parallel ranks of one sequence, in (ring, heads) order."""
+
+    @property
+    def dp_shard(self) -> DeviceMesh:
+        return self.world["dp_shard"]
+
+    @property
+    def cp_2d(self) -> DeviceMesh:
+        """The (cp_ring, cp_heads) mesh of 2D context parallelism."""
+        return self.world["cp_ring", "cp_heads"]
+
+
+def build_meshes(device_type: str, dp_shard: int, cp: int, ring: int = 1) -> ParallelMeshes:
+    world = init_device_mesh(
+        device_type,
+        (dp_shard, ring, cp // ring),
+        mesh_dim_names=("dp_shard", "cp_ring", "cp_heads"),
+    )
+    return ParallelMeshes(
+        world=world,
+        fsdp=world["dp_shard", "cp_ring", "cp_heads"]._flatten("dp_shard_cp"),
+        cp=world["cp_ring", "cp_heads"]._flatten("cp"),
+    )
+
+
+def make_cp_style(
+    config: JobConfig, n_heads: int, host_device: torch.device = torch.device("cpu")
+) -> ContextParallelAttention:
+    """The configured context-parallel style (``[parallelism] cp_style``), built from the
+    config's resolved values (U, ring degree, sequence chunks) so its layout is known at once."""
+    parallelism = config.parallelism
+    if parallelism.cp_style == "ring":
+        return RingAttention()
+    if parallelism.cp_style == "fpdt":
+        return FPDTAttention(chunk_tokens=parallelism.chunk_tokens, host_device=host_device)
+    if parallelism.cp_style == "ulysses":
+        return UlyssesAttention(ring_degree=parallelism.ring_degree)
+    return UPipeAttention(
+        heads_per_stage=parallelism.stage_heads(n_heads),
+        ring_degree=parallelism.ring_degree,
+        chunk_tokens=parallelism.chunk_tokens or None,  # UPipe x FPDT: head stages over chunks
+        host_device=host_device,
+    )
+
+
+def describe_cp_style(parallelism: Parallelism, n_heads: int) -> str:
+    """The configured attention in words, for start-up lines and plans."""
+    style = parallelism.cp_style
+    if style == "upipe":
+        text = f"UPipe (U = {parallelism.stage_heads(n_heads)})"
+    else:
+        text = {"ulysses": "Ulysses", "ring": "ring attention", "fpdt": "FPDT"}[style]
+    if parallelism.chunk_tokens:
+        fpdt = "x FPDT " if style == "upipe" else ""
+        text += f" {fpdt}in sequence chunks of {parallelism.chunk_tokens:,} tokens"
+    if parallelism.ring_degree > 1:
+        text += f" on a ring of {parallelism.ring_degree} x {parallelism.head_degree} head ranks"
+    return text
+
+
+def apply_context_parallel(
+    model: nn.Module,
+    meshes: ParallelMeshes,
+    config: JobConfig,
+    host_device: torch.device = torch.device("cpu"),
+) -> ContextParallelAttention:
+    """Apply the configured CP style to every attention module; returns the style, whose
+    ``shard_positions`` says which tokens each CP rank feeds. 2D (ring_degree > 1) styles get the
+    (cp_ring, cp_heads) mesh, the others the flattened cp mesh."""
+    style = make_cp_style(config, model.model_args.n_heads, host_device)
+    mesh = meshes.cp_2d if config.parallelism.ring_degree > 1 else meshes.cp
+    parallelize_module(model, mesh, {"layers.*.attention": style})
+    return style
+
+
+def apply_compile(model: nn.Module, config: JobConfig) -> None:
+    """Compile each block in place (keeps parameter names, so checkpoints do not change)."""
+    for block in model.layers.values():
+        block.compile(fullgraph=True, backend=config.compile.backend)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: JobConfig,
+    device: torch.device,
+    mixed_precision: bool,
+) -> None:
+    training = config.training
+    if mixed_precision:
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=DTYPES[training.mixed_precision_param],
+            reduce_dtype=DTYPES[training.mixed_precision_reduce],
+        )
+    else:  # CPU kernels are not faster in bf16, and float32 keeps CPU runs exact
+        mp_policy = MixedPrecisionPolicy()
+    offload = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if training.enable_cpu_offload else None
+    )
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    reshard = config.parallelism.fsdp_reshard_after_forward
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward: keep them.
+        shard(block, reshard_after_forward=reshard and index < len(blocks) - 1)
+    # The head as its own unit (as torchtitan does): its gradients, the output layer's above all
+    # (V x D), are reduce-scattered as soon as the loss's backward is done, not at the very end.
+    # It is gathered at the final norm's forward, before the loss reads the output weight.
+    shard([model.norm, model.output], reshard_after_forward=False)
+    shard(model, reshard_after_forward=False)
+
+
+def parallelize_llama(
+    model: nn.Module,
+    meshes: ParallelMeshes,
+    config: JobConfig,
+    device: torch.device,
+    host_device: torch.device = torch.device("cpu"),
+    mixed_precision: bool = False,
+) -> Parallelized:
+    """Apply everything the config asks for; returns the CP style and the host offload.
+
+    ``mixed_precision`` applies [training] mixed_precision_param/reduce (on CUDA; the planner
+    turns it on to model a GPU run with CPU stand-in tensors, see ``jobs.build.Placement``).
+    """
+    cp_style = apply_context_parallel(model, meshes, config, host_device)
+    if config.memory.tiled_mlp:
+        apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
+    if config.memory.tiled_rms_norm:
+        apply_tiled_rms_norm(model, config.memory.norm_tile_tokens)
+    if config.memory.chunked_loss:
+        model.loss_chunk_tokens = config.memory.loss_chunk_tokens
+    if config.compile.enable:
+        apply_compile(model, config)
+    ac = config.activation_checkpoint
+    offload = (
+        HostOffload(device, host_device, prefetch=ac.cpu_offload_prefetch)
+        if ac.cpu_offload
+        else None
+    )
+    if ac.mode == "full":
+        apply_activation_checkpointing(
+            model,
+            offload=offload,
+            offload_skip_last=ac.cpu_offload_skip_last,
+            blocks_per_checkpoint=ac.blocks_per_checkpoint,
+        )
+    apply_fsdp(model, meshes.fsdp, config, device, mixed_precision)
+    return Parallelized(cp_style=cp_style, host_offload=offload)

@@ -1,0 +1,371 @@
+"""The training loop: FSDP2 + UPipe/Ulysses context parallelism (+ compile) on torchtitan's Llama3.
+
+Each context-parallel rank feeds its contiguous 1/C slice of every sequence. The loss is the
+global mean over all tokens of the step on all ranks: each rank backpropagates its shard's token
+sum divided by the global token count (times the FSDP world size, since FSDP2 averages gradients
+over dp_shard x cp), so gradients and the logged loss equal a single-device run on the same batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from upipe_dtensor.checkpointing.job_lock import JobLock
+from upipe_dtensor.checkpointing.snapshots import (
+    Checkpointer,
+    choose_snapshot,
+    resume_candidates,
+    snapshots,
+)
+from upipe_dtensor.checkpointing.storage import (
+    check_writable,
+    snapshot_bytes_estimate,
+    space_report,
+)
+from upipe_dtensor.checkpointing.weights import save_hf_weights
+from upipe_dtensor.config import ConfigError, JobConfig
+from upipe_dtensor.data.loader import PackedTextLoader
+from upipe_dtensor.jobs.build import (
+    JobSetup,
+    Placement,
+    build_parallel_model,
+    load_initial_weights,
+    set_up_job,
+)
+from upipe_dtensor.jobs.parallelize import DTYPES, describe_cp_style
+from upipe_dtensor.models import flops_per_token
+from upipe_dtensor.models.llama3 import IGNORE_INDEX
+from upipe_dtensor.runtime.collectives import on_every_rank, on_rank0
+from upipe_dtensor.runtime.errors import JobError, JobStopped
+from upipe_dtensor.runtime.metrics import MetricsLogger
+from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
+
+
+def lr_lambda(config: JobConfig):
+    """Linear warmup to the peak, then linear or cosine decay to ``min_lr_factor`` at the end."""
+    warmup = config.lr_scheduler.warmup_steps
+    total = config.training.steps
+    decay_type = config.lr_scheduler.decay_type
+    floor = config.lr_scheduler.min_lr_factor
+
+    def factor(step: int) -> float:  # LambdaLR's step counts completed optimizer steps
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        shape = 1 - progress if decay_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+class Trainer:
+    """Builds everything from a validated ``JobConfig``; ``train()`` runs the steps.
+
+    Everything that can be wrong with the job is found before the model is built: the config, the
+    tokenizer and the data (``ConfigError``), the dump folder (writable, not used by another job),
+    and the snapshot to resume from (a finished job raises ``JobComplete``; damaged snapshots are
+    reported and skipped; another data-parallel degree is refused).
+    """
+
+    def __init__(self, config: JobConfig, *, placement: Placement = Placement()) -> None:
+        """By default the trainer picks its device (CUDA if present) and builds its meshes; the
+        memory planner decides them with ``placement`` (see ``jobs.build.Placement``)."""
+        self.config = config
+        self.setup = setup = set_up_job(config, placement)
+        self.device = setup.device
+        self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
+        dump = Path(config.job.dump_folder)
+        checkpoint_folder = dump / config.checkpoint.folder
+        self.lock = _claim(config, dump, checkpoint_folder)
+        try:
+            self._build(dump, checkpoint_folder)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, dump: Path, checkpoint_folder: Path) -> None:
+        """Everything after the dump folder is claimed: the snapshot to resume from, the model,
+        the optimizer, the checkpointer and the metrics."""
+        config, training, setup = self.config, self.config.training, self.setup
+        job = {
+            "dp": setup.dp,
+            "cp": setup.cp,
+            "world_size": setup.world_size,
+            "cp_style": config.parallelism.cp_style,
+        }
+        self.resume_from = (
+            choose_snapshot(
+                checkpoint_folder,
+                resume_candidates(config, checkpoint_folder),
+                explicit=config.checkpoint.load_step != -1,
+                job=job,
+            )
+            if config.checkpoint.enable
+            else None
+        )
+        self.start_step = int(self.resume_from.name.split("-")[1]) if self.resume_from else 0
+
+        self.parallel = built = build_parallel_model(config, setup)
+        self.model, self.cp_style, self.host_offload = (
+            built.model,
+            built.cp_style,
+            built.host_offload,
+        )
+        self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
+
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            # The fused kernel needs the parameters on the GPU (not so under FSDP CPU offload).
+            fused=self.device.type == "cuda" and not training.enable_cpu_offload,
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.checkpointer = None
+        if config.checkpoint.enable:
+            self.checkpointer = Checkpointer(
+                str(checkpoint_folder),
+                interval=config.checkpoint.interval,
+                keep_latest_k=config.checkpoint.keep_latest_k,
+                model=self.model,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                dataloader=self.dataloader,
+                dp_rank=setup.dp_rank,
+                job=job,
+            )
+            self.checkpointer.snapshot_bytes = snapshot_bytes_estimate(self.model)
+            report = on_rank0(
+                lambda: space_report(
+                    checkpoint_folder,
+                    self.checkpointer.snapshot_bytes,
+                    config.checkpoint.keep_latest_k,
+                    kept=len(snapshots(checkpoint_folder)),
+                    saves_left=self._saves_left(),
+                )
+            )
+            if dist.get_rank() == 0:
+                print(
+                    report,
+                    file=sys.stderr if report.startswith("WARNING") else sys.stdout,
+                    flush=True,
+                )
+        self.metrics = MetricsLogger(
+            log_dir=str(dump / config.metrics.save_tb_folder)
+            if config.metrics.enable_tensorboard
+            else None,
+            log_freq=config.metrics.log_freq,
+            device=self.device,
+            flops_per_token=self.flops_per_token,
+            world_size=setup.world_size,
+            enabled=dist.get_rank() == 0,
+            first_step=self.start_step + 1,
+        )
+
+    def _saves_left(self) -> int:
+        interval, steps = self.config.checkpoint.interval, self.config.training.steps
+        periodic = steps // interval - self.start_step // interval
+        return periodic + (steps % interval != 0)
+
+    def shard_sequence(self, batch: torch.Tensor) -> torch.Tensor:
+        """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
+        return self.parallel.shard_sequence(batch)
+
+    def train_step(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the micro-batches; returns (global mean loss, grad norm)."""
+        shards = [
+            (
+                self.shard_sequence(inputs),
+                self.shard_sequence(labels),
+                self.parallel.document_inputs(inputs),
+            )
+            for inputs, labels in microbatches
+        ]
+        tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in shards)
+        dist.all_reduce(tokens)  # every token of the step on every rank
+        loss_sum = torch.zeros((), device=self.device)
+        for index, (inputs, labels, documents) in enumerate(shards):
+            self.model.set_requires_gradient_sync(index == len(shards) - 1)
+            shard_sum = self.model(inputs, labels=labels, **documents)
+            (shard_sum * self.setup.world_size / tokens).backward()
+            loss_sum += shard_sum.detach()
+        max_norm = self.config.training.max_norm
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        return loss_sum / tokens, grad_norm
+
+    def export_hf(self, step: int) -> str:
+        """Write the model as a Hugging Face folder, {checkpoint folder}/step-N-hf; returns it."""
+        config = self.config
+        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder, f"step-{step}-hf")
+        save_hf_weights(
+            self.model,
+            self.model.model_args,
+            folder,
+            dtype=DTYPES[config.checkpoint.export_dtype],
+            base_folder=config.model.hf_assets_path,
+            tokenizer_folder=config.model.tokenizer_folder,
+        )
+        if dist.get_rank() == 0:
+            print(f"wrote the Hugging Face model to {folder}", flush=True)
+        return folder
+
+    def describe(self, weights: str) -> str:
+        """The start-up line: the job as it will actually run (the config's free-text description
+        comes last, quoted, since it may not match the command-line overrides)."""
+        config = self.config
+        style = describe_cp_style(config.parallelism, self.model.model_args.n_heads)
+        setup = self.setup
+        ranks = f"{setup.world_size} rank{'s' * (setup.world_size != 1)}"
+        return (
+            f"training {config.model.flavor}, seq_len {config.training.seq_len:,}, {style}, cp "
+            f"{setup.cp} x dp {setup.dp} = {ranks} on {self.device.type}, steps "
+            f"{self.start_step + 1}..{config.training.steps}, from {weights} "
+            f"[{config.config_file or 'no config file'}: {config.job.description!r}]"
+        )
+
+    def train(self) -> list[float]:
+        """Run to ``training.steps`` (resuming from the chosen snapshot); returns the losses.
+
+        Stops with ``JobError`` on a non-finite loss or gradient norm (nothing is saved), and with
+        ``JobStopped`` after SIGTERM/SIGUSR1 (a snapshot is saved at the step boundary)."""
+        training = self.config.training
+        tokens_per_step = (
+            training.seq_len
+            * training.local_batch_size
+            * training.gradient_accumulation_steps
+            * (self.setup.world_size // self.setup.cp)
+        )
+        stop = StopRequests(self.config.job.stop_grace_seconds, self._resume_hint())
+        watch_launcher()
+        try:
+            start = 0
+            if self.resume_from is not None:
+                start = self.checkpointer.load(self.resume_from)
+                self._follow_schedule()
+                stop.resume_hint = self._resume_hint()
+                weights = f"snapshot {self.resume_from}"
+            else:
+                weights = load_initial_weights(self.parallel)
+            if dist.get_rank() == 0:
+                print(self.describe(weights), flush=True)
+            batches = iter(self.dataloader)
+            losses = []
+            for step in range(start + 1, training.steps + 1):
+                began = time.perf_counter()
+                microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
+                lr = self.optimizer.param_groups[0][
+                    "lr"
+                ]  # this step's rate (the scheduler moves on)
+                loss, grad_norm = (t.item() for t in self.train_step(microbatches))
+                losses.append(loss)
+                self.metrics.log(
+                    step,
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    lr=lr,
+                    tokens=tokens_per_step,
+                    seconds=time.perf_counter() - began,
+                    host_offload_bytes=self.host_offload.peak_host_bytes
+                    if self.host_offload
+                    else None,
+                )
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    raise JobError(
+                        f"step {step}: loss {loss:.4g}, grad_norm {grad_norm:.4g}: not finite; "
+                        f"stopped without saving ({self._resume_hint()}). Lower [optimizer] lr or "
+                        "raise [lr_scheduler] warmup_steps, then run again"
+                    )
+                signum = stop.agreed(self.device)
+                if self.checkpointer is not None:
+                    self.checkpointer.maybe_save(step, last=step == training.steps or bool(signum))
+                    stop.resume_hint = self._resume_hint()
+                if step == training.steps and self.config.checkpoint.last_save_in_hf:
+                    self.export_hf(step)
+                if signum and step < training.steps:
+                    raise JobStopped(
+                        f"stopped by {signal.Signals(signum).name} after step {step} of "
+                        f"{training.steps} ({self._resume_hint()}); run the same command to resume",
+                        signum,
+                    )
+        finally:
+            stop.close()
+            self.metrics.close()
+            self.close()
+        return losses
+
+    def _follow_schedule(self) -> None:
+        """Set the learning rate from this job's schedule at the resumed step: the snapshot holds
+        the rate its own ``[training] steps`` gave, which differs once steps is raised."""
+        factor = lr_lambda(self.config)(self.lr_scheduler.last_epoch)
+        for group, base_lr in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs):
+            group["lr"] = base_lr * factor
+
+    def _resume_hint(self) -> str:
+        if self.checkpointer is None:
+            return "checkpointing is off: nothing to resume from"
+        return self.checkpointer.describe_latest()
+
+    def close(self) -> None:
+        """Release the dump folder for the next job (also released if the process dies)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
+    """The data loader, after reading up to this rank's first document: an empty corpus or a bad
+    first record is a ConfigError now, not a traceback after the model is built."""
+    training = config.training
+    try:
+        loader = PackedTextLoader(
+            dataset=training.dataset,
+            dataset_path=training.dataset_path,
+            text_field=training.dataset_text_field,
+            tokenizer=setup.tokenizer,
+            seq_len=training.seq_len,
+            batch_size=training.local_batch_size,
+            dp_rank=setup.dp_rank,
+            dp_world_size=setup.dp,
+        )
+        loader.check_first_document()
+    except ValueError as err:
+        keys = ("training.dataset", "training.dataset_path", "training.dataset_text_field")
+        raise ConfigError(f"{config.source_of(*keys)}: [training] data: {err}") from err
+    return loader
+
+
+def _claim(config: JobConfig, dump: Path, checkpoint_folder: Path) -> JobLock | None:
+    """Rank 0 checks that the folders this job writes are writable and locks the dump folder
+    (every rank raises the same ``JobError`` if not). Nothing is written without tensorboard and
+    checkpoints (as in the planner), so then there is nothing to claim."""
+    if not (config.checkpoint.enable or config.metrics.enable_tensorboard):
+        return None
+    lock = JobLock(dump) if dist.get_rank() == 0 else None
+
+    def claim() -> None:
+        fix = "fix its permissions or set [job] dump_folder (and [checkpoint] folder) elsewhere"
+        check_writable(dump, "dump folder", fix)
+        if config.checkpoint.enable:
+            check_writable(checkpoint_folder, "checkpoint folder", fix)
+        lock.acquire()
+
+    on_rank0(claim)
+    return lock

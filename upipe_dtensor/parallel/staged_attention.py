@@ -1,0 +1,186 @@
+"""Staged attention: Ulysses context parallelism executed a few heads at a time (UPipe), optionally
+across a ring. One op for UPipe (U < H), Ulysses (U = H), 2D UPipe and ring attention (C_h = 1).
+
+Input is this rank's sequence shard ``x`` (B, S/C, D) of the attention block's (normalised)
+input; output is the layer's output ``out @ wo.T`` (B, S/C, D), where ``out`` is the attention
+output in the model's own head order, so pretrained checkpoints apply unchanged. For each stage of
+U query heads (U a multiple of the head-axis degree C_h; U = H is classic Ulysses):
+
+    q   = rope(x @ wq[stage heads].T)                 (B, S/C, U, d)     local sequence, U heads
+    q_h = all_to_all(q)                               (B, S/R, U/C_h, d) ring rank's tokens, own
+    heads
+    o_h, lse = attention(q_h, k_h, v_h)               k_h, v_h from the stage's KV block
+    out[:, :, stage heads] = all_to_all(o_h)          (B, S/C, U, d)     written into one buffer
+
+``attention`` is one causal kernel call when there is no ring axis (R = 1, C = C_h), and ring
+attention across the R ranks of the ring axis otherwise (``parallel.ring``: 2D UPipe, or with
+C_h = 1 and U = H plain ring attention). K and V are projected, rotated and exchanged once per KV
+block (the KV heads that the block's stages need) and reused by every stage of that block. With
+fewer KV heads than head-axis ranks, K/V are repeated in activation space before the exchange and
+their gradients summed back afterwards. ``doc_ids`` (None, or (B, S) document ids of the whole
+sequence) restricts attention to each token's own document.
+
+Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = U/C_h):
+  forward : the output buffer N*H*d*b and the layer output N*D*b  +  one stage's Q, attention
+            output and their all-to-all buffers, each N*U*d*b (~4 live at once)  +  one KV
+            block's K, V (local and exchanged, N*C_h*k*d*b each, k = KV heads per rank)  +  the
+            LSEs, H/C_h * B*S/R floats in total; with a ring, also the next K/V block in flight
+            and a float32 output accumulator of one stage (N*U*d*4).
+  saved   : x, the output buffer, the LSEs and the RoPE rows of the shard (N*d*4). Q/K/V are
+            never kept.
+  backward: recomputes each stage's Q (and each block's K/V) from x, exchanges the stage's slices
+            of the output and of its gradient (formed from the layer's output gradient and the
+            stage's columns of wo, so the whole pre-wo gradient never exists), and holds one
+            stage's worth of those plus dx, the weight gradients and the block's float32 dK/dV
+            accumulators (2 * N*C_h*k*d*4); a ring adds the travelling K/V and dK/dV of one block
+            and a float32 dQ of one stage. On CUDA flash-attn adds a float32 dQ workspace of the
+            stage (``kernels.attention.cuda_backward_workspace_bytes``).
+  weights : a stage whose heads are not contiguous gathers its U*d rows of wq and columns of wo
+            (independent of the sequence length, so negligible at long context).
+Classic Ulysses (U = H) holds all of Q and the attention output in both layouts at once; UPipe
+with U = C_h holds C_h/H of that. ``benchmarks/attention_memory.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from upipe_dtensor.kernels.attention import resolve_backend
+from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
+from upipe_dtensor.parallel.projections import AttentionProjections, resolve_group
+from upipe_dtensor.parallel.ring import Ring, ring_attention_backward, ring_attention_forward
+
+
+class _Layer(AttentionProjections):
+    """The projections of the whole local shard, plus the ring the stages attend across."""
+
+    def __init__(
+        self, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, params: AttentionParams
+    ) -> None:
+        super().__init__(x, wq, wk, wv, params)
+        group = resolve_group(params.ring_group, params.ring_degree)
+        self.ring = Ring(group, group.rank() if group is not None else 0, params.ring_degree)
+        self.backend = resolve_backend(params.backend, x.device)
+        self.scale = params.scale
+
+
+def staged_forward(
+    x: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    params: AttentionParams,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The stage loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
+    lse (stages, B, U/C_h, S/R) float32)."""
+    layer = _Layer(x, wq, wk, wv, params)
+    schedule = layer.schedule
+    out = x.new_empty(layer.batch, layer.local_len, schedule.n_heads, params.head_dim)
+    lse = x.new_empty(
+        len(schedule.stages),
+        layer.batch,
+        schedule.query_heads_per_rank,
+        layer.local_len * params.head_degree,
+        dtype=torch.float32,
+    )
+    k_h = v_h = None
+    for index, stage in enumerate(schedule.stages):
+        if stage.opens_kv_block:
+            k_h, v_h = layer.kv_for_block(stage.kv_block, rope)
+        q_h = layer.query_for_stage(stage, rope)
+        o_h, lse[index] = ring_attention_forward(
+            q_h, k_h, v_h, layer.scale, layer.backend, layer.ring, doc_ids
+        )
+        del q_h
+        if stage.closes_kv_block:
+            k_h = v_h = None
+        layer.write_stage(out, stage, layer.to_sequence(o_h))
+        del o_h
+    out = out.view(layer.batch, layer.local_len, -1)
+    return out @ wo.t(), out, lse
+
+
+def staged_backward(
+    grad_y: Tensor,
+    x: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    params: AttentionParams,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv, dwo)."""
+    layer = _Layer(x, wq, wk, wv, params)
+    schedule = layer.schedule
+    grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
+    out = out.view(layer.batch, layer.local_len, schedule.n_heads, params.head_dim)
+    grad_x = torch.zeros_like(x)
+    grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (layer.wq, layer.wk, layer.wv))
+    k_h = v_h = grad_k_h = grad_v_h = None
+
+    for index, stage in enumerate(schedule.stages):
+        if stage.opens_kv_block:
+            k_h, v_h = layer.kv_for_block(stage.kv_block, rope)
+            grad_k_h = torch.zeros_like(k_h, dtype=torch.float32)
+            grad_v_h = torch.zeros_like(v_h, dtype=torch.float32)
+        q_h = layer.query_for_stage(stage, rope)
+        o_h = layer.to_heads(layer.read_stage(out, stage))
+        grad_o_h = layer.output_grad(grad_y, wo, stage)
+        grad_q_h, grad_k_stage, grad_v_stage = ring_attention_backward(
+            grad_o_h,
+            q_h,
+            k_h,
+            v_h,
+            o_h,
+            lse[index],
+            layer.scale,
+            layer.backend,
+            layer.ring,
+            doc_ids,
+        )
+        del q_h, o_h, grad_o_h
+        grad_k_h += grad_k_stage
+        grad_v_h += grad_v_stage
+        del grad_k_stage, grad_v_stage
+
+        layer.query_backward(grad_q_h, stage, rope, grad_x, grad_wq)
+        del grad_q_h
+
+        if stage.closes_kv_block:
+            del k_h, v_h
+            layer.kv_backward(grad_k_h, grad_v_h, stage.kv_block, rope, grad_x, grad_wk, grad_wv)
+            k_h = v_h = grad_k_h = grad_v_h = None
+
+    return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv), grad_wo
+
+
+_OP = AttentionOp("attention", staged_forward, staged_backward)
+
+
+def staged_attention(
+    x: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    params: AttentionParams,
+) -> Tensor:
+    """Differentiable staged attention including the output projection ``wo``; see the module
+    docstring. Returns the layer output (B, S/C, D).
+
+    ``rope`` is the real RoPE table at this shard's global positions, (S/C, d/2, 2) or
+    (B, S/C, d/2, 2), from ``kernels.rope.rope_table``. ``params.head_degree`` is the head-axis
+    degree C_h; ``params.ring_degree`` R > 1 adds a ring axis across which each stage's attention
+    runs as ring attention (2D UPipe; with C_h = 1 and U = H, plain ring attention).
+    """
+    return _OP(x, wq, wk, wv, wo, rope, doc_ids, params)

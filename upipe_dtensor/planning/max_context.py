@@ -1,0 +1,491 @@
+"""The longest context a model trains at on given GPUs, and the settings that get there.
+
+``python -m upipe_dtensor.plan --config R.toml --max-context`` asks: with this model and memory
+stack, ``--world-size`` GPUs of ``--device-memory-gib`` each and ``--host-memory-gib`` of RAM per
+node, what is the longest sequence whose planned step fits both budgets, and which settings
+should the recipe use there? The answer is a recipe (TOML extending ``R.toml``) and its plan.
+
+Every rank splits the sequence (context_parallel_degree = world size): data parallelism does not
+lengthen the context. A world larger than one node runs UPipe/Ulysses in 2D, as the paper does: a
+ring of world / gpus_per_node nodes times an all-to-all head axis inside each node.
+
+The search has two phases:
+
+1. **Longest context.** Every searched setting at its most memory-saving value (``Knob.values[0]``)
+   and the secant search of ``length_search`` over seq_len. Nothing else can go longer (each
+   setting's saving end uses the least device memory), except for the two settings that trade
+   device memory against host RAM: FSDP CPU offload (on: less device, more host) and blocks
+   checkpointed in pairs (less host, more device). Phase 1 starts with both on; a host-bound
+   limit is searched again with FSDP offload off, a device-bound one with pairs off, and the
+   longer answer wins. Sequence chunks start from the fewest that plan as
+   low as the most at the recipe's length: once the peak lies outside attention (Llama3-8B at
+   5M: 4 chunks and more plan the same), more chunks save nothing and each costs training time
+   and planning time (a plan with 8 chunks takes ~3.6x one with 2).
+2. **Relaxation.** At that length, settings move one at a time from their saving end toward the
+   faster end, one step per plan, as long as the plan still fits. The order spends the margin
+   where it buys the most speed first:
+
+   - ``sequence_chunks`` (UPipe x FPDT): with n chunks every query chunk fetches all earlier
+     chunks' K/V from host memory (n(n-1)/2 host-to-device copies per stage instead of none) and
+     attention runs as n(n+1)/2 smaller kernels: the costliest saving;
+   - ``blocks_per_checkpoint``: pairs recompute one more block forward per pair in backward
+     (about an eighth of the step);
+   - ``heads_per_stage``: U = C is the least memory; a larger U runs fewer, larger stages (fewer
+     all-to-alls and kernel launches per layer);
+   - ``fsdp_cpu_offload``: the optimizer steps on the host and parameters are copied in every
+     step; at millions of tokens a step takes minutes, so this costs little, but something;
+   - ``tile_sizes``: MLP, RMSNorm and loss tiles of a quarter or half the recipe's size cut
+     their temporaries; at >= 1024 tokens per tile the extra launches are cheap;
+   - ``block_input_prefetch``: without it one (S/C x D) copy per block is not hidden behind the
+     previous block's recompute, a fraction of a second per block that takes minutes.
+
+Since relaxing only ever adds memory, the length of phase 1 stays the longest that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from upipe_dtensor.config import ConfigError, JobConfig, check_job
+from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
+from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
+from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
+
+MAX_SEQUENCE_CHUNKS = 8
+"""The most UPipe x FPDT chunks searched. Chunks shrink only the per-chunk q/k/v/o buffers of one
+head stage; at 8 chunks those are below the layer's whole output buffer (S/C x H x d) that no
+chunking removes, and each chunk more makes planning and training slower (n(n+1)/2 kernel pairs)."""
+TILE_DIVISORS = (4, 2, 1)
+"""Tile sizes searched: the recipe's MLP, RMSNorm and loss tiles divided by these, together."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting the search may choose: its values from the most memory-saving to the fastest,
+    and how a value is written into a config."""
+
+    name: str
+    values: tuple
+    keys: tuple[str, ...]
+    """The ``section.key`` entries this setting writes (what the printed recipe sets)."""
+    apply: Callable[[JobConfig, Any], JobConfig]
+    show: Callable[[Any], str]
+
+
+def _replace(config: JobConfig, section: str, **changes: Any) -> JobConfig:
+    return dataclasses.replace(
+        config, **{section: dataclasses.replace(getattr(config, section), **changes)}
+    )
+
+
+def _chunks(config: JobConfig, count: int) -> JobConfig:
+    seq_len = config.training.seq_len
+    return _replace(
+        config, "parallelism", fpdt_chunk_tokens=-(-seq_len // count) if count > 1 else 0
+    )
+
+
+def _tiles(config: JobConfig, divisor: int, width: int, recipe: JobConfig) -> JobConfig:
+    memory = recipe.memory
+    return _replace(
+        config,
+        "memory",
+        mlp_tile_tokens=max(1, (memory.mlp_tile_tokens or width) // divisor),
+        norm_tile_tokens=max(1, (memory.norm_tile_tokens or width) // divisor),
+        loss_chunk_tokens=max(1, memory.loss_chunk_tokens // divisor),
+    )
+
+
+KNOB_NAMES = (
+    "sequence_chunks",
+    "blocks_per_checkpoint",
+    "heads_per_stage",
+    "fsdp_cpu_offload",
+    "tile_sizes",
+    "block_input_prefetch",
+)
+"""Every setting the search knows, in relaxation order (see the module docstring)."""
+
+
+def knobs(config: JobConfig) -> dict[str, Knob | str]:
+    """The searchable settings of ``config`` (already laid out on its world), in relaxation order;
+    a setting that does not apply maps to the reason why."""
+    parallelism, memory = config.parallelism, config.memory
+    args = model_args(config.model, config.training.seq_len)
+    heads_axis = parallelism.head_degree
+    found: dict[str, Knob | str] = {}
+    if parallelism.cp_style != "upipe":
+        found["sequence_chunks"] = found["heads_per_stage"] = (
+            f"UPipe's setting; cp_style is {parallelism.cp_style!r}"
+        )
+    elif parallelism.ring_degree > 1:
+        found["sequence_chunks"] = "sequence chunks do not combine with a ring across nodes"
+    if "sequence_chunks" not in found:
+        counts = tuple(2**k for k in range(int(math.log2(MAX_SEQUENCE_CHUNKS)), -1, -1))
+        found["sequence_chunks"] = Knob(
+            "sequence_chunks",
+            counts,
+            ("parallelism.fpdt_chunk_tokens",),
+            _chunks,
+            lambda n: f"{n} chunks" if n > 1 else "no chunks",
+        )
+    offloaded = (
+        config.activation_checkpoint.mode == "full" and config.activation_checkpoint.cpu_offload
+    )
+    found["blocks_per_checkpoint"] = (
+        Knob(
+            "blocks_per_checkpoint",
+            (2, 1),
+            ("activation_checkpoint.blocks_per_checkpoint",),
+            lambda c, k: _replace(c, "activation_checkpoint", blocks_per_checkpoint=k),
+            lambda k: "checkpoint pairs" if k == 2 else "checkpoint each block",
+        )
+        if offloaded
+        else "block inputs are not offloaded: [activation_checkpoint] mode = 'full' and "
+        "cpu_offload = true"
+    )
+    if "heads_per_stage" not in found:
+        valid = valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis)
+        found["heads_per_stage"] = Knob(
+            "heads_per_stage",
+            tuple(valid),
+            ("parallelism.heads_per_stage",),
+            lambda c, u: _replace(c, "parallelism", heads_per_stage=u),
+            lambda u: f"U={u}",
+        )
+    found["fsdp_cpu_offload"] = Knob(
+        "fsdp_cpu_offload",
+        (True, False),
+        ("training.enable_cpu_offload",),
+        lambda c, on: _replace(c, "training", enable_cpu_offload=on),
+        lambda on: "FSDP offload" if on else "no FSDP offload",
+    )
+    tiled = [
+        key
+        for key, on in (
+            ("memory.mlp_tile_tokens", memory.tiled_mlp),
+            ("memory.norm_tile_tokens", memory.tiled_rms_norm),
+            ("memory.loss_chunk_tokens", memory.chunked_loss),
+        )
+        if on
+    ]
+    found["tile_sizes"] = (
+        Knob(
+            "tile_sizes",
+            TILE_DIVISORS,
+            tuple(tiled),
+            lambda c, d: _tiles(c, d, args.dim, config),
+            lambda d: f"tiles/{d}" if d > 1 else "recipe tiles",
+        )
+        if tiled
+        else "the recipe tiles nothing: [memory] tiled_mlp, tiled_rms_norm, chunked_loss are off"
+    )
+    found["block_input_prefetch"] = (
+        Knob(
+            "block_input_prefetch",
+            (False, True),
+            ("activation_checkpoint.cpu_offload_prefetch",),
+            lambda c, on: _replace(c, "activation_checkpoint", cpu_offload_prefetch=on),
+            lambda on: "prefetch" if on else "no prefetch",
+        )
+        if config.activation_checkpoint.cpu_offload
+        else "block inputs stay on the device: [activation_checkpoint] cpu_offload is off"
+    )
+    return found
+
+
+def _valid_worlds(config: JobConfig, gpus_per_node: int, upto: int) -> list[int]:
+    worlds = []
+    for world in range(1, upto + 1):
+        try:
+            on_world(config, world, gpus_per_node)
+        except ConfigError:
+            continue
+        worlds.append(world)
+    return worlds
+
+
+def on_world(config: JobConfig, world: int, gpus_per_node: int) -> JobConfig:
+    """``config`` with every rank splitting the sequence, 2D across nodes for UPipe/Ulysses;
+    ConfigError when the model's heads do not split over that many ranks."""
+    style = config.parallelism.cp_style
+    ring = world // gpus_per_node if world > gpus_per_node and style in ("upipe", "ulysses") else 1
+    if ring > 1 and world % gpus_per_node:
+        raise ConfigError(
+            f"--world-size {world} is not whole nodes of --gpus-per-node {gpus_per_node}"
+        )
+    heads_axis = world // ring
+    if style != "ring":
+        args = model_args(config.model, config.training.seq_len)
+        if not valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis):
+            raise ConfigError(
+                f"the {args.n_heads} query / {args.n_kv_heads or args.n_heads} KV heads "
+                f"of flavor {config.model.flavor!r} do not split over {heads_axis} ranks"
+            )
+    chunks = config.parallelism.fpdt_chunk_tokens if ring == 1 else 0
+    return _replace(
+        config,
+        "parallelism",
+        context_parallel_degree=world,
+        data_parallel_shard_degree=-1,
+        ring_degree=ring,
+        fpdt_chunk_tokens=chunks,
+    )
+
+
+@dataclass
+class MaxContext:
+    """What the search found: the recipe's config at the longest context, and how it got there."""
+
+    config: JobConfig
+    plan: Plan
+    settings: dict[str, Any]
+    searched: list[Knob]
+    not_searched: dict[str, str]
+    plans: list[tuple[dict[str, Any], Plan]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def seq_len(self) -> int:
+        return self.plan.seq_len
+
+    def as_dict(self, command: str) -> dict:
+        return {
+            "seq_len": self.seq_len,
+            "settings": self.settings,
+            "not_searched": self.not_searched,
+            "recipe_toml": recipe_toml(self, command),
+            "plan": self.plan.as_dict(),
+            "plans": [
+                {
+                    "seq_len": p.seq_len,
+                    "settings": s,
+                    "device_peak_bytes": p.device_peak_bytes,
+                    "host_per_node_bytes": p.host_per_node_bytes,
+                    "fits": p.fits,
+                }
+                for s, p in self.plans
+            ],
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def describe(settings: dict[str, Any], searched: list[Knob]) -> str:
+    return ", ".join(knob.show(settings[knob.name]) for knob in searched)
+
+
+def find_max_context(
+    config: JobConfig,
+    budget: Budget,
+    world_size: int | None = None,
+    *,
+    search: list[str] | None = None,
+    resolution: float = 0.0,
+    log: Callable[[str], None] = lambda _: None,
+) -> MaxContext:
+    """Run both phases (module docstring) for ``config`` on ``world_size`` GPUs (default: the
+    recipe's world, cp x dp_shard). ``search`` names the settings to search (default: all that
+    apply); the rest stay as the recipe has them."""
+    started = time.perf_counter()
+    recipe_world = config.parallelism.world_size
+    world_size = world_size or recipe_world
+    try:
+        base = on_world(config, world_size, budget.gpus_per_node)
+    except ConfigError as err:
+        worlds = _valid_worlds(config, budget.gpus_per_node, max(64, 4 * world_size))
+        raise ConfigError(
+            f"{err}; world sizes that work for this model: {', '.join(map(str, worlds))}"
+        ) from None
+    available = knobs(base)
+    if search is not None:
+        for name in search:
+            if not isinstance(available[name], Knob):
+                searchable = ", ".join(n for n, k in available.items() if isinstance(k, Knob))
+                raise ConfigError(
+                    f"--search {name}: does not apply here ({available[name]}); "
+                    f"searchable now: {searchable}"
+                )
+    chosen = [
+        k for n, k in available.items() if isinstance(k, Knob) and (search is None or n in search)
+    ]
+    not_searched = {
+        n: k if isinstance(k, str) else "not in --search"
+        for n, k in available.items()
+        if not any(n == c.name for c in chosen)
+    }
+    granule = GRANULE_TOKENS_PER_RANK * world_size
+    start = config.training.seq_len * world_size // recipe_world
+    history: list[tuple[dict[str, Any], Plan]] = []
+
+    def configured(settings: dict[str, Any], seq_len: int) -> JobConfig:
+        result = _replace(base, "training", seq_len=seq_len)
+        for knob in chosen:
+            result = knob.apply(result, settings[knob.name])
+        return result
+
+    def plan_at(settings: dict[str, Any], seq_len: int) -> Plan:
+        plan = plan_job(configured(settings, seq_len), budget, world_size)
+        history.append((dict(settings), plan))
+        log(
+            f"  {seq_len:>12,} tokens, {describe(settings, chosen) or 'recipe settings'}: "
+            f"{plan.device_peak_bytes / GiB:7.2f} GiB device, "
+            f"{plan.host_per_node_bytes / GiB:8.1f} GiB "
+            f"host/node -> {'fits' if plan.fits else 'does not fit'}"
+        )
+        return plan
+
+    def longest(settings: dict[str, Any], known: Plan) -> tuple[int, list[Plan]]:
+        return longest_fitting(
+            lambda s: plan_at(settings, s),
+            budget,
+            start=known.seq_len,
+            granule=granule,
+            resolution=resolution,
+            known=known,
+        )
+
+    settings = {knob.name: knob.values[0] for knob in chosen}
+    start = max(granule, start // granule * granule)
+    check_job(configured(settings, start), world_size)  # bad geometry fails before any plan
+    first = plan_at(settings, start)
+    chunks = next((knob for knob in chosen if knob.name == "sequence_chunks"), None)
+    while chunks is not None and settings[chunks.name] != chunks.values[-1]:
+        # More chunks than the peak needs save nothing (it is outside attention), cost time, and
+        # make each plan slower (n(n+1)/2 chunk pairs): start from the fewest that save as much.
+        fewer = {
+            **settings,
+            chunks.name: chunks.values[chunks.values.index(settings[chunks.name]) + 1],
+        }
+        trial = plan_at(fewer, start)
+        if (
+            trial.device_peak_bytes > first.device_peak_bytes
+            or trial.host_per_node_bytes > first.host_per_node_bytes
+        ):
+            break
+        settings, first = fewer, trial
+    best, plans = longest(settings, first)
+    above = [p for p in plans if p.seq_len > best and not p.fits]
+    host_bound = (
+        above and min(above, key=lambda p: p.seq_len).device_peak_bytes <= budget.device_bytes
+    )
+    # The settings that trade device memory for host memory, switched the other way.
+    trade, why = (
+        ("fsdp_cpu_offload", "host memory: searching again without FSDP CPU offload")
+        if host_bound
+        else ("blocks_per_checkpoint", "device memory: searching again checkpointing each block")
+    )
+    knob = next((k for k in chosen if k.name == trade), None)
+    if knob is not None and settings[trade] == knob.values[0]:
+        log(f"  the limit is {why}")
+        other = {**settings, trade: knob.values[1]}
+        longer, more = longest(other, plan_at(other, max(best, granule)))
+        if longer > best:
+            best, plans, settings = longer, more, other
+    if best == 0:
+        raise ConfigError(
+            f"not even {granule:,} tokens fit {budget.device_bytes / GiB:g} GiB per GPU and "
+            f"{budget.host_bytes_per_node / GiB:g} GiB host per node: "
+            + min(plans, key=lambda p: p.seq_len).render()
+        )
+    found = next(p for p in reversed(plans) if p.seq_len == best and p.fits)
+    for knob in chosen:
+        for value in knob.values[knob.values.index(settings[knob.name]) + 1 :]:
+            trial = {**settings, knob.name: value}
+            plan = plan_at(trial, best)
+            if not plan.fits:
+                break
+            settings, found = trial, plan
+    return MaxContext(
+        configured(settings, best),
+        found,
+        settings,
+        chosen,
+        not_searched,
+        history,
+        time.perf_counter() - started,
+    )
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value:_}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def recipe_toml(result: MaxContext, command: str) -> str:
+    """A recipe that extends the given one with the length and settings found, the plan's numbers
+    in comments (a file to save next to the given recipe), then the plan's breakdown as comments."""
+    config, plan, budget = result.config, result.plan, result.plan.budget
+    keys = [
+        "training.seq_len",
+        "parallelism.context_parallel_degree",  # what ``on_world`` sets
+        "parallelism.data_parallel_shard_degree",
+        "parallelism.ring_degree",
+        "parallelism.fpdt_chunk_tokens",
+    ]
+    keys += [key for knob in result.searched for key in knob.keys if key not in keys]
+    keys += [
+        key
+        for key, source in config.sources.items()
+        if source == "command line" and key not in keys
+    ]
+    folder = config.job.dump_folder  # kept if given on the command line, else a folder of its own
+    if config.sources.get("job.dump_folder") != "command line":
+        folder = folder.rstrip("/") + "_max_context"
+    sections: dict[str, list[str]] = {"job": [f"dump_folder = {_toml_value(folder)}"]}
+    for key in keys:
+        section, name = key.split(".")
+        if key != "job.dump_folder":
+            sections.setdefault(section, []).append(
+                f"{name} = {_toml_value(getattr(getattr(config, section), name))}"
+            )
+    recipe = Path(config.config_file or "recipe.toml")
+    nodes = -(-plan.world_size // budget.gpus_per_node)
+    header = [
+        f"The longest context the planner finds for [model] flavor {config.model.flavor!r} on "
+        f"{plan.world_size} GPUs ({nodes} node{'s' if nodes > 1 else ''} of "
+        f"{min(plan.world_size, budget.gpus_per_node)}) with {budget.device_bytes / GiB:g} GiB "
+        "each and "
+        f"{budget.host_bytes_per_node / GiB:g} GiB host RAM per node: {plan.seq_len:,} tokens "
+        f"({plan.seq_len / 2**20:.2f}M), {plan.attention}.",
+        f"Planner: peak {plan.device_peak_bytes / GiB:.2f} GiB per GPU ({plan.device_peak_when}), "
+        f"host {plan.host_per_node_bytes / GiB:,.1f} GiB per node.",
+        f"Found by: {command} ({len(result.plans)} plans, {result.seconds / 60:.1f} min).",
+        "Searched, most memory-saving first: "
+        + "; ".join(f"{k.name} {', '.join(k.show(v) for v in k.values)}" for k in result.searched)
+        + ".",
+        *(
+            [
+                "Not searched: "
+                + "; ".join(f"{n} ({why})" for n, why in result.not_searched.items())
+                + "."
+            ]
+            if result.not_searched
+            else []
+        ),
+        f"Save it next to {recipe} ('extends' is relative to this file).",
+    ]
+    lines = [
+        f"# {line}"
+        for paragraph in header
+        for line in textwrap.wrap(paragraph, 98, break_on_hyphens=False)
+    ]
+    lines.append(f"extends = {_toml_value(recipe.name)}")
+    for section in (f.name for f in dataclasses.fields(JobConfig)):
+        if section in sections:
+            lines += ["", f"[{section}]", *sections[section]]
+    lines += ["", *(f"# {line}" for line in plan.render().splitlines())]
+    return "\n".join(lines) + "\n"

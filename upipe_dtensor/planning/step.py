@@ -1,0 +1,320 @@
+"""Will this recipe fit? The recipe's real training step, run on fake tensors and tracked.
+
+One CPU process plays rank 0 of the recipe's world: a fake process group of the recipe's size,
+``FakeTensorMode`` (shapes and dtypes, no memory, no compute) and the project's real code: model
+build, UPipe/Ulysses, FSDP2, checkpointing with host offload, tiled MLP, chunked loss, forward,
+backward and the optimizer step. The custom ops run transparently (``kernels.op_mode``), so the
+tracker sees the buffers inside UPipe's stage loop, the MLP tiles and the loss chunks.
+
+Fake CPU tensors stand in for GPU memory and fake ``meta`` tensors for the host buffers of the
+activation offload and FPDT's chunks. FSDP2 CPU offload (``[training] enable_cpu_offload``) is
+modelled by moving the sharded float32 parameters, gradients and optimizer state from the device
+to the host. What a CUDA run holds outside the step's tensors (CUDA context, NCCL buffers, cuBLAS
+workspaces, allocator fragmentation) is added as documented allowances (``CudaAllowances``), and
+flash-attn's backward workspace is allocated in the fake step where the kernel would allocate it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from upipe_dtensor.config import JobConfig, check_job
+from upipe_dtensor.jobs.build import Placement
+from upipe_dtensor.jobs.parallelize import build_meshes, describe_cp_style
+from upipe_dtensor.jobs.trainer import Trainer
+from upipe_dtensor.kernels.attention import planning_cuda_workspaces
+from upipe_dtensor.kernels.op_mode import transparent_ops
+from upipe_dtensor.parallel.projections import forget_head_indices
+from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker
+
+GiB = 2**30
+DEVICE, HOST = torch.device("cpu"), torch.device("meta")  # fake stand-ins for GPU and host RAM
+
+
+@dataclass(frozen=True)
+class CudaAllowances:
+    """What a CUDA run holds on each GPU that the fake step cannot see, each a documented,
+    deliberately generous allowance (no GPU has been available to measure them here):
+
+    - ``context_bytes``: the CUDA context and the loaded kernel images of torch, NCCL and
+      flash-attn. It is not in torch's allocator; with CUDA 12's lazy module loading it is commonly
+      reported at 0.5-0.8 GiB on H100 (nvidia-smi minus torch.cuda.memory_reserved). 1 GiB.
+    - ``nccl_bytes_per_communicator``: NCCL's buffers, per communicator this rank belongs to (the
+      default group, the FSDP group and each CP axis; NCCL creates one per process group on first
+      use). NCCL's documented default is NCCL_BUFFSIZE = 4 MiB per channel and direction, with up
+      to 32 channels (2 x 4 MiB x 32 = 256 MiB), plus point-to-point and NVLink-SHARP buffers.
+      0.5 GiB each.
+    - ``cublas_workspace_bytes``: cuBLAS/cuBLASLt workspaces of the compute stream (torch's
+      default CUBLAS_WORKSPACE_CONFIG on Hopper is 32 MiB, once per library). 64 MiB.
+    - ``fragmentation``: caching-allocator rounding (512-byte blocks, 2 MiB pages) and what
+      expandable segments cannot hand back, as a fraction of the tracked peak. 5%.
+
+    flash-attn's backward workspace is not an allowance: the attention kernels allocate it in the
+    fake step at the moment the CUDA kernel would (``kernels.attention.planning_cuda_workspaces``).
+    """
+
+    context_bytes: int = GiB
+    nccl_bytes_per_communicator: int = GiB // 2
+    cublas_workspace_bytes: int = 64 * 2**20
+    fragmentation: float = 0.05
+
+    def rows(self, tracked_peak: int, communicators: int) -> dict[str, int]:
+        return {
+            CUDA_CONTEXT: self.context_bytes,
+            f"{NCCL_BUFFERS} ({communicators} communicators)": communicators
+            * self.nccl_bytes_per_communicator,
+            CUBLAS_WORKSPACE: self.cublas_workspace_bytes,
+            f"{FRAGMENTATION} ({self.fragmentation:.0%})": int(tracked_peak * self.fragmentation),
+        }
+
+
+CUDA_CONTEXT, NCCL_BUFFERS, CUBLAS_WORKSPACE = "CUDA context", "NCCL buffers", "cuBLAS workspace"
+FRAGMENTATION = "allocator rounding and fragmentation"
+FIXED_ALLOWANCES = (CUDA_CONTEXT, NCCL_BUFFERS, CUBLAS_WORKSPACE)
+"""The allowances that do not grow with the sequence (fragmentation is a fraction of the peak)."""
+
+
+def nccl_communicators(config: JobConfig, world_size: int) -> int:
+    """Communicators one rank creates: the default group and FSDP's (more than one rank), the
+    head all-to-all axis and the ring axis (each when it has more than one rank)."""
+    parallelism = config.parallelism
+    heads = parallelism.head_degree
+    ring = parallelism.context_parallel_degree // heads
+    return 2 * (world_size > 1) + (heads > 1) + (ring > 1)
+
+
+@dataclass
+class Budget:
+    device_bytes: int = 80 * GiB
+    """Memory per GPU."""
+    host_bytes_per_node: int = 2048 * GiB
+    """Host RAM per node."""
+    gpus_per_node: int = 8
+
+
+@dataclass
+class Plan:
+    """Per-rank prediction for one job (all ranks of a CP job do the same work)."""
+
+    config_file: str | None
+    seq_len: int
+    cp_style: str
+    heads_per_stage: int
+    attention: str
+    """The CP attention in words (style, U, FPDT chunks, ring axis)."""
+    world_size: int
+    device_peak_bytes: int
+    device_peak_when: str
+    device_breakdown: dict[str, int]
+    host_peak_bytes: int
+    host_per_node_bytes: int
+    budget: Budget = field(default_factory=Budget)
+    document_metadata_bytes: int = 0
+    """Device bytes of the document boundaries ([training] attention_mask / position_ids =
+    'document'): int32 ids of the whole sequence and this rank's int64 positions, per
+    micro-batch."""
+
+    @property
+    def fits(self) -> bool:
+        return (
+            self.device_peak_bytes <= self.budget.device_bytes
+            and self.host_per_node_bytes <= self.budget.host_bytes_per_node
+        )
+
+    @property
+    def device_fixed_bytes(self) -> int:
+        """The part of the device peak that does not grow with the sequence: model states and
+        CUDA's fixed allowances (a search that holds one plan extrapolates from the rest)."""
+        return sum(
+            nbytes
+            for label, nbytes in self.device_breakdown.items()
+            if label == MODEL_STATES or label.startswith(FIXED_ALLOWANCES)
+        )
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "fits": self.fits}
+
+    def render(self) -> str:
+        budget = self.budget
+        lines = [
+            f"plan for {self.config_file}: seq_len {self.seq_len:,}, {self.attention}, "
+            f"{self.world_size} ranks",
+            f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
+            f"{budget.device_bytes / GiB:g} GiB, at {self.device_peak_when}",
+        ]
+        for label, nbytes in sorted(self.device_breakdown.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {label:<42s} {nbytes / GiB:8.2f} GiB")
+        lines += [
+            f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB (activation offload,"
+            f" FSDP CPU offload)",
+            f"  host per node        : {self.host_per_node_bytes / GiB:8.2f} GiB of "
+            f"{budget.host_bytes_per_node / GiB:g} GiB ({budget.gpus_per_node} GPUs per node)",
+            *(
+                [
+                    f"  document metadata    : {self.document_metadata_bytes / 2**20:8.2f} MiB per "
+                    "rank "
+                    f"({self.document_metadata_bytes / max(self.device_peak_bytes, 1):.3%} of the "
+                    "peak; "
+                    f"ids of the whole sequence, positions of the shard)"
+                ]
+                if self.document_metadata_bytes
+                else []
+            ),
+            f"  fits: {'yes' if self.fits else 'NO'}",
+        ]
+        return "\n".join(lines)
+
+
+def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
+    """Module hooks that tell the tracker where in the step it is (for 'when' and 'loss')."""
+    model = trainer.model
+
+    def entering(name: str):
+        def hook(_module, _args):
+            backward = torch._C._current_graph_task_id() != -1
+            tracker.when = f"{'backward (recompute)' if backward else 'forward'}, block {name}"
+            tracker.in_head = False
+
+        return hook
+
+    def head(_module, _args):
+        backward = torch._C._current_graph_task_id() != -1
+        tracker.when = f"{'backward' if backward else 'forward'}, output head and loss"
+        tracker.in_head = True
+
+    def backward_starts(_module, _grad_output):
+        tracker.when = "backward, output head and loss"
+        tracker.in_head = True
+
+    for name, block in model.layers.items():
+        # Recompute calls the module inside a checkpoint wrapper, not the wrapper itself.
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        inner.register_forward_pre_hook(entering(name))
+    model.norm.register_forward_pre_hook(head)
+    model.norm.register_full_backward_pre_hook(backward_starts)
+    trainer.optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "when", "optimizer step"))
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _sharded_state_bytes(trainer: Trainer) -> int:
+    """Bytes of this rank's parameter, gradient and optimizer-state shards (FSDP CPU offload)."""
+    params = sum(_local_bytes(p) for p in trainer.model.parameters())
+    optimizer = sum(
+        _local_bytes(t)
+        for state in trainer.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return 2 * params + optimizer  # gradients are as large as the parameters
+
+
+def document_metadata_bytes(config: JobConfig) -> int:
+    """What the document options add on each device: the (B, S) int32 document ids of the whole
+    sequence (every CP rank needs every boundary) and the (B, S/C) int64 positions of its shard."""
+    training = config.training
+    batch, seq_len = training.local_batch_size, training.seq_len
+    ids = batch * seq_len * 4 if training.attention_mask == "document" else 0
+    positions = batch * seq_len // config.parallelism.context_parallel_degree * 8
+    return ids + (positions if training.position_ids == "document" else 0)
+
+
+def tracked_step(trainer: Trainer, tracker: LiveMemoryTracker, config: JobConfig) -> None:
+    """The measured step, the same for a plan and for a real run: the optimizer state is set up
+    first (AdamW creates it lazily; one step on zero gradients), then one training step on a
+    batch of token ids is tracked from its start."""
+    _watch_progress(trainer, tracker)
+    for param in trainer.model.parameters():
+        param.grad = torch.zeros_like(param)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    tracker.start_step()
+    training = config.training
+    tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
+    trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
+
+
+def plan_job(
+    config: JobConfig,
+    budget: Budget | None = None,
+    world_size: int | None = None,
+    *,
+    target: str = "cuda",
+    allowances: CudaAllowances | None = None,
+) -> Plan:
+    """Run one fake training step of ``config`` as rank 0 and report its memory.
+
+    ``target="cuda"`` models a GPU run (bf16 mixed precision, offloaded activations on the
+    host, flash-attn's backward workspace, and the ``allowances`` for what CUDA holds outside
+    the step); ``target="cpu"`` models a CPU run (float32, host and device are one memory, no
+    allowances), which the tests compare with real CPU runs.
+    """
+    host = HOST if target == "cuda" else DEVICE
+    budget = budget or Budget()
+    parallelism = config.parallelism
+    cp = parallelism.context_parallel_degree
+    world_size = world_size or parallelism.world_size
+    dp = check_job(config, world_size)
+    config = dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+        metrics=dataclasses.replace(config.metrics, enable_tensorboard=False),
+    )
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    forget_head_indices()
+    try:
+        meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
+        tracker = LiveMemoryTracker()
+        kernels = planning_cuda_workspaces() if target == "cuda" else contextlib.nullcontext()
+        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), kernels, tracker:
+            placement = Placement(
+                meshes=meshes, device=DEVICE, host_device=host, mixed_precision=target == "cuda"
+            )
+            trainer = Trainer(config, placement=placement)
+            tracked_step(trainer, tracker, config)
+        peak = tracker.peaks[str(DEVICE)]
+        breakdown = {label: nbytes for label, nbytes in peak.by_label.items() if nbytes > 0}
+        device_peak = peak.bytes
+        host_peak = tracker.peaks[str(HOST)].bytes if host != DEVICE else 0
+        if config.training.enable_cpu_offload:
+            moved = _sharded_state_bytes(trainer)
+            device_peak -= moved
+            breakdown[MODEL_STATES] = breakdown.get(MODEL_STATES, 0) - moved
+            host_peak += moved
+        if target == "cuda":
+            extra = (allowances or CudaAllowances()).rows(
+                device_peak, nccl_communicators(config, world_size)
+            )
+            breakdown.update(extra)
+            device_peak += sum(extra.values())
+    finally:
+        forget_head_indices()
+        dist.destroy_process_group()
+    ranks_per_node = min(world_size, budget.gpus_per_node)
+    n_heads = trainer.model.model_args.n_heads
+    return Plan(
+        config_file=config.config_file,
+        seq_len=config.training.seq_len,
+        cp_style=parallelism.cp_style,
+        heads_per_stage=parallelism.stage_heads(n_heads),
+        attention=describe_cp_style(parallelism, n_heads),
+        world_size=world_size,
+        device_peak_bytes=device_peak,
+        device_peak_when=peak.when,
+        device_breakdown=breakdown,
+        host_peak_bytes=host_peak,
+        host_per_node_bytes=host_peak * ranks_per_node,
+        budget=budget,
+        document_metadata_bytes=document_metadata_bytes(config),
+    )

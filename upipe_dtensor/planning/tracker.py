@@ -1,0 +1,200 @@
+"""Live-tensor memory tracker: every storage allocated while it is active, by device and by what
+allocated it, with the peak and what was alive at the peak.
+
+A ``TorchDispatchMode`` sees each op's outputs; a storage is counted from the op that creates it
+until it is freed (a weak-reference finaliser), so views and in-place ops cost nothing, exactly
+as in a caching allocator without fragmentation. It works on real tensors and on fake ones (the
+planner), and with ``kernels.op_mode.transparent_ops()`` it also sees the buffers inside the
+project's custom ops (the per-stage UPipe buffers are the point of UPipe).
+
+Labels come from the Python call stack at allocation time: the attention, MLP and loss code of this
+project, FSDP2's all-gather and reduce-scatter (model states), the optimizer, the activation
+offload; allocations before ``start_step()`` are model states too (parameters, buffers, optimizer
+state); the rest is "other", or "loss" inside the output head (final norm, projection, loss).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import PurePath
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
+    "parameters + gradients + optimizer state",
+    "attention",
+    "mlp",
+    "loss",
+    "activation offload",
+    "other",
+)
+NORMS = "rmsnorm outputs"
+"""A block's normalised activations (the attention's and the MLP's inputs), kept while the block
+that uses them runs."""
+RESIDUAL = "residual stream"
+"""A block's residual sums (x + attention, and the block output), e.g. the input of the next block
+kept while a checkpoint group recomputes."""
+GRADIENTS = "activation gradients"
+"""Gradients autograd passes between ops (e.g. of a block's output and its residual stream),
+allocated by torch's C++ autograd functions rather than by this project's code."""
+
+# (path suffix, function name or None for any) -> label; the innermost matching frame wins.
+# Checkpoint recompute is triggered from inside whichever backward first needs a saved tensor:
+# the walk stops there, so a recomputed block is not charged to that backward.
+_STOP = "stop"
+_RULES: tuple[tuple[str, str | None, str], ...] = (
+    ("torch/utils/checkpoint.py", "recompute_fn", _STOP),
+    ("upipe_dtensor/parallel/", None, ATTENTION),  # every CP style, its ops, ring and exchanges
+    ("upipe_dtensor/memory/tiled_mlp.py", None, MLP),
+    ("torchtitan/models/llama3/model/model.py", "forward", None),  # resolved by qualname below
+    ("upipe_dtensor/memory/chunked_loss.py", None, LOSS),
+    ("upipe_dtensor/memory/rms_norm.py", None, NORMS),
+    ("torch/nn/functional.py", "rms_norm", NORMS),
+    ("torch/nn/functional.py", "cross_entropy", LOSS),
+    # Copies made by the shared host store count for whoever asked: the activation offload here,
+    # the attention for FPDT's K/V chunks (matched by the attention rules above).
+    *(("upipe_dtensor/memory/offload.py", name, OFFLOAD) for name in ("pack", "unpack")),
+    ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", None, MODEL_STATES),
+    ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", None, MODEL_STATES),
+    ("torch/optim/", None, MODEL_STATES),
+    # Innermost Python frame of a C++ autograd function's allocation (our own backward code is
+    # matched by the rules above first).
+    ("torch/autograd/graph.py", "_engine_run_backward", GRADIENTS),
+)
+_TITAN_FORWARDS = {
+    "FeedForward.forward": MLP,
+    "Attention.forward": ATTENTION,
+    "TransformerBlock.forward": RESIDUAL,
+}
+
+
+_PASS = "pass"  # no rule decides at this frame: look at its caller
+_FRAME_LABELS: dict[types.CodeType, str] = {}  # a frame's outcome depends on its code only
+
+
+def _frame_label(code: types.CodeType) -> str:
+    """The rules' verdict for a frame running ``code``: a label, ``_STOP`` or ``_PASS``."""
+    path = PurePath(code.co_filename).as_posix()
+    for suffix, function, label in _RULES:
+        if (suffix in path) and (function is None or code.co_name == function):
+            if label is None:
+                return _TITAN_FORWARDS.get(code.co_qualname, _PASS)
+            return label
+    return _PASS
+
+
+def _label_from_stack() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        label = _FRAME_LABELS.get(code)
+        if label is None:
+            label = _FRAME_LABELS[code] = _frame_label(code)
+        if label != _PASS:
+            return None if label == _STOP else label
+        frame = frame.f_back
+    return None
+
+
+@dataclass
+class Peak:
+    """The largest total on one device, when it happened, and what was alive then by label."""
+
+    bytes: int = 0
+    when: str = ""
+    by_label: dict[str, int] = field(default_factory=dict)
+
+
+class LiveMemoryTracker(TorchDispatchMode):
+    """Counts live storage bytes per device and label; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals: dict[str, int] = defaultdict(int)
+        self.by_label: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.peaks: dict[str, Peak] = defaultdict(Peak)
+        self.when = "setup"
+        self.in_head = False
+        self._setup = True
+        self._live: dict[
+            int, tuple[weakref.ref, list]
+        ] = {}  # id -> (storage ref, [device, label, bytes])
+        self._original_resize = torch.UntypedStorage.resize_
+
+    # -- phase bookkeeping (set by the planner and by module hooks) ----------------------------
+
+    def start_step(self) -> None:
+        """From now on allocations are the step's (not model states by default); peaks restart
+        from the current totals."""
+        self._setup = False
+        for device, total in self.totals.items():
+            self.peaks[device] = Peak(total, self.when, dict(self.by_label[device]))
+
+    def _label(self) -> str:
+        if self._setup:
+            return MODEL_STATES
+        label = _label_from_stack()
+        if label is None:
+            label = LOSS if self.in_head else OTHER
+        return label
+
+    # -- tracking ------------------------------------------------------------------------------
+
+    def _add(self, device: str, label: str, nbytes: int) -> None:
+        self.totals[device] += nbytes
+        self.by_label[device][label] += nbytes
+        peak = self.peaks[device]
+        if self.totals[device] > peak.bytes:
+            peak.bytes, peak.when = self.totals[device], self.when
+            peak.by_label = dict(self.by_label[device])
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        known = self._live.get(key)
+        if known is not None and known[0]() is storage:
+            return
+        record = [str(tensor.device), self._label(), storage.nbytes()]
+
+        def release(_ref, key=key, record=record) -> None:
+            self._live.pop(key, None)
+            self._add(record[0], record[1], -record[2])
+
+        self._live[key] = (weakref.ref(storage, release), record)
+        self._add(*record)
+
+    def _resize(self, storage: torch.UntypedStorage, size: int):
+        """FSDP2 frees and re-grows its all-gather buffers with ``resize_``, which no dispatch
+        mode sees (PyTorch's own MemTracker patches it the same way)."""
+        out = self._original_resize(storage, size)
+        known = self._live.get(id(storage))
+        if known is not None and known[0]() is storage:
+            record = known[1]
+            self._add(record[0], record[1], size - record[2])
+            record[2] = size
+        return out
+
+    def __enter__(self):
+        tracker = self
+        torch.UntypedStorage.resize_ = lambda storage, size: tracker._resize(storage, size)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, DTensor):
+                leaf = leaf.to_local()
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+                self._track(leaf)
+        return out
