@@ -45,6 +45,8 @@ def _curve_plan(device, host, budget: Budget, fixed: int):
             "upipe",
             8,
             "UPipe",
+            "cuda",
+            "sdpa",
             8,
             peak,
             "synthetic",

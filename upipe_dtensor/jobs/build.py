@@ -25,7 +25,8 @@ from upipe_dtensor.checkpointing.weights import (
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.data.documents import document_ids, document_positions
 from upipe_dtensor.data.loader import Tokenizer, build_tokenizer
-from upipe_dtensor.jobs.parallelize import ParallelMeshes, build_meshes, parallelize_llama
+from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, build_meshes, parallelize_llama
+from upipe_dtensor.kernels.attention import check_kernel_limits, resolve_backend
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import Llama3, init_sharded_weights
 from upipe_dtensor.models.hf_config import model_args
@@ -33,13 +34,40 @@ from upipe_dtensor.models.llama3 import Llama3Args
 from upipe_dtensor.parallel import ContextParallelAttention
 
 
-def pick_device() -> tuple[torch.device, str]:
-    """This process's device and process-group backend: its CUDA device under torchrun, else CPU."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
+def pick_device(config: JobConfig) -> torch.device:
+    """This process's device as [job] device asks: its CUDA device under torchrun ("cuda", or
+    "auto" when CUDA works), else the CPU. "cuda" without a usable GPU is a ConfigError here,
+    before any process group: a GPU job must not quietly train on the CPU."""
+    requested = config.job.device
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        built = torch.version.cuda or "none (a CPU-only build)"
+        raise ConfigError(
+            f"{config.source_of('job.device')}: [job] device = 'cuda', but CUDA is not usable "
+            f"here (torch {torch.__version__}, CUDA build {built}, {torch.cuda.device_count()} "
+            "devices visible); fix the driver or CUDA_VISIBLE_DEVICES, install a CUDA build of "
+            "torch, or set device = 'cpu'"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def resolve_attention(config: JobConfig, args: Llama3Args, kernel_device: str, traced: bool) -> str:
+    """[parallelism] attention_backend resolved for the device its kernels run on, and checked
+    against the model's head_dim and the compute dtype (ConfigError, before any process group)."""
+    keys = ("parallelism.attention_backend", "job.device", "training.mixed_precision_param")
+    try:
+        backend = resolve_backend(
+            config.parallelism.attention_backend, kernel_device, traced=traced
+        )
+        if kernel_device == "cuda":
+            dtype = DTYPES[config.training.mixed_precision_param]
+            check_kernel_limits(backend, args.dim // args.n_heads, dtype)
+    except ValueError as err:
+        raise ConfigError(f"{config.source_of(*keys)}: [parallelism] {err}") from err
+    return backend
 
 
 def _init_process_group(backend: str) -> None:
@@ -69,6 +97,9 @@ class Placement:
     host_device: torch.device = torch.device("cpu")
     mixed_precision: bool | None = None
     """None: on CUDA only."""
+    kernel_device: str | None = None
+    """The planner's "cuda": choose the CUDA kernels while the tensors are fake CPU ones, so the
+    GPU step's kernel calls are traced (None: the kernels of the job's own device)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +114,11 @@ class JobSetup:
     device: torch.device
     host_device: torch.device
     mixed_precision: bool
+    kernel_device: str
+    """The device type the attention kernels are chosen for ("cuda" when the planner traces a
+    GPU run on fake CPU tensors)."""
+    attention_backend: str
+    """[parallelism] attention_backend resolved for ``kernel_device``."""
     meshes: ParallelMeshes
     world_size: int
     dp: int
@@ -113,11 +149,13 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
     if config.memory.expandable_segments:
         # Before the first CUDA allocation; a user's own setting wins.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    device = placement.device
-    if device is None:
-        device, backend = pick_device()
-        if not dist.is_initialized():
-            _init_process_group(backend)
+    device = placement.device or pick_device(config)
+    kernel_device = placement.kernel_device or device.type
+    backend = resolve_attention(
+        config, args, kernel_device, traced=placement.kernel_device is not None
+    )
+    if placement.device is None and not dist.is_initialized():
+        _init_process_group("nccl" if device.type == "cuda" else "gloo")
     parallelism = config.parallelism
     meshes = placement.meshes or build_meshes(
         device.type, dp, parallelism.context_parallel_degree, parallelism.ring_degree
@@ -130,6 +168,8 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
         device=device,
         host_device=placement.host_device,
         mixed_precision=device.type == "cuda" if mixed_precision is None else mixed_precision,
+        kernel_device=kernel_device,
+        attention_backend=backend,
         meshes=meshes,
         world_size=world_size,
         dp=dp,
@@ -161,7 +201,9 @@ class ParallelModel:
         as [training] attention_mask and position_ids ask (None: causal, global positions).
 
         The document ids cover the whole (B, S) sequence: every CP rank builds the whole batch
-        from the loader, so no communication is needed; they cost 4 bytes per token.
+        from the loader, so no communication is needed; they cost 4 bytes per token. They stay
+        in host memory: the attention kernels read the boundaries as host metadata (no device
+        sync per block), and only each varlen block's cu_seqlens, a few integers, travel.
         """
         training = self.setup.config.training
         causal = training.attention_mask == "causal" and training.position_ids == "global"
@@ -169,7 +211,7 @@ class ParallelModel:
             return {"attention_masks": None, "positions": None}
         doc_ids = document_ids(tokens, self.setup.tokenizer.eos_id)
         return {
-            "attention_masks": doc_ids.to(self.setup.device)
+            "attention_masks": doc_ids.to(self.setup.host_device)
             if training.attention_mask == "document"
             else None,
             "positions": self.shard_sequence(document_positions(doc_ids))
@@ -185,9 +227,7 @@ def build_parallel_model(config: JobConfig, setup: JobSetup | None = None) -> Pa
     setup = setup or set_up_job(config)
     with torch.device("meta"):
         model = Llama3(setup.args)
-    parallelized = parallelize_llama(
-        model, setup.meshes, config, setup.device, setup.host_device, setup.mixed_precision
-    )
+    parallelized = parallelize_llama(model, setup)
     model.to_empty(device=setup.device)
     init_sharded_weights(model, seed=config.training.seed, device=setup.device)
     return ParallelModel(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from upipe_dtensor.parallel import (
     UlyssesAttention,
     UPipeAttention,
 )
+
+if TYPE_CHECKING:
+    from upipe_dtensor.jobs.build import JobSetup
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -85,23 +89,26 @@ def build_meshes(device_type: str, dp_shard: int, cp: int, ring: int = 1) -> Par
     )
 
 
-def make_cp_style(
-    config: JobConfig, n_heads: int, host_device: torch.device = torch.device("cpu")
-) -> ContextParallelAttention:
-    """The configured context-parallel style (``[parallelism] cp_style``), built from the
-    config's resolved values (U, ring degree, sequence chunks) so its layout is known at once."""
-    parallelism = config.parallelism
+def make_cp_style(setup: JobSetup) -> ContextParallelAttention:
+    """The configured context-parallel style (``[parallelism] cp_style``), built from the job's
+    resolved values (U, ring degree, sequence chunks, the attention backend and the device its
+    kernels are chosen for) so its layout and kernels are known at once."""
+    parallelism = setup.config.parallelism
+    kernels = {"backend": setup.attention_backend, "kernel_device": setup.kernel_device}
     if parallelism.cp_style == "ring":
-        return RingAttention()
+        return RingAttention(**kernels)
     if parallelism.cp_style == "fpdt":
-        return FPDTAttention(chunk_tokens=parallelism.chunk_tokens, host_device=host_device)
+        return FPDTAttention(
+            chunk_tokens=parallelism.chunk_tokens, host_device=setup.host_device, **kernels
+        )
     if parallelism.cp_style == "ulysses":
-        return UlyssesAttention(ring_degree=parallelism.ring_degree)
+        return UlyssesAttention(ring_degree=parallelism.ring_degree, **kernels)
     return UPipeAttention(
-        heads_per_stage=parallelism.stage_heads(n_heads),
+        heads_per_stage=parallelism.stage_heads(setup.args.n_heads),
         ring_degree=parallelism.ring_degree,
         chunk_tokens=parallelism.chunk_tokens or None,  # UPipe x FPDT: head stages over chunks
-        host_device=host_device,
+        host_device=setup.host_device,
+        **kernels,
     )
 
 
@@ -120,17 +127,13 @@ def describe_cp_style(parallelism: Parallelism, n_heads: int) -> str:
     return text
 
 
-def apply_context_parallel(
-    model: nn.Module,
-    meshes: ParallelMeshes,
-    config: JobConfig,
-    host_device: torch.device = torch.device("cpu"),
-) -> ContextParallelAttention:
+def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallelAttention:
     """Apply the configured CP style to every attention module; returns the style, whose
     ``shard_positions`` says which tokens each CP rank feeds. 2D (ring_degree > 1) styles get the
     (cp_ring, cp_heads) mesh, the others the flattened cp mesh."""
-    style = make_cp_style(config, model.model_args.n_heads, host_device)
-    mesh = meshes.cp_2d if config.parallelism.ring_degree > 1 else meshes.cp
+    style = make_cp_style(setup)
+    meshes = setup.meshes
+    mesh = meshes.cp_2d if setup.config.parallelism.ring_degree > 1 else meshes.cp
     parallelize_module(model, mesh, {"layers.*.attention": style})
     return style
 
@@ -172,20 +175,16 @@ def apply_fsdp(
     shard(model, reshard_after_forward=False)
 
 
-def parallelize_llama(
-    model: nn.Module,
-    meshes: ParallelMeshes,
-    config: JobConfig,
-    device: torch.device,
-    host_device: torch.device = torch.device("cpu"),
-    mixed_precision: bool = False,
-) -> Parallelized:
-    """Apply everything the config asks for; returns the CP style and the host offload.
+def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
+    """Apply everything the job's config asks for, on the devices and meshes of ``setup``;
+    returns the CP style and the host offload.
 
-    ``mixed_precision`` applies [training] mixed_precision_param/reduce (on CUDA; the planner
-    turns it on to model a GPU run with CPU stand-in tensors, see ``jobs.build.Placement``).
+    ``setup.mixed_precision`` applies [training] mixed_precision_param/reduce (on CUDA; the
+    planner turns it on to model a GPU run with CPU stand-in tensors, see
+    ``jobs.build.Placement``).
     """
-    cp_style = apply_context_parallel(model, meshes, config, host_device)
+    config, device, host_device = setup.config, setup.device, setup.host_device
+    cp_style = apply_context_parallel(model, setup)
     if config.memory.tiled_mlp:
         apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
     if config.memory.tiled_rms_norm:
@@ -207,5 +206,5 @@ def parallelize_llama(
             offload_skip_last=ac.cpu_offload_skip_last,
             blocks_per_checkpoint=ac.blocks_per_checkpoint,
         )
-    apply_fsdp(model, meshes.fsdp, config, device, mixed_precision)
+    apply_fsdp(model, setup.meshes.fsdp, config, device, setup.mixed_precision)
     return Parallelized(cp_style=cp_style, host_offload=offload)

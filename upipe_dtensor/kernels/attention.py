@@ -20,81 +20,175 @@ lse = -inf, which the LSE merge treats as "no contribution".
 Tensors are (batch, seq, heads, head_dim); K/V may have fewer heads than Q (GQA: query head i uses
 KV head i // (hq // hk)). LSE is (batch, hq, seq) float32.
 
-Backends: ``flash`` (flash-attn 2 on CUDA; documents through its varlen kernels), ``sdpa``
-(PyTorch's own flash kernels: the CPU one, or aten's CUDA flash forward/backward, which take the
-saved output and LSE like flash-attn; documents run one document at a time there), ``auto`` =
-flash when importable on CUDA, else sdpa. The CUDA paths are thin calls of documented library
-functions and have not been run in this repository (no GPU); the CPU path runs the same block
-logic and is what the tests check against the unsharded model.
+Backends (``[parallelism] attention_backend``, the styles' ``backend``) and the kernels they run:
+  ``flash``  the flash-attn package (FlashAttention-2, >= 2.7; documents through its varlen path);
+  ``sdpa``   PyTorch's own kernels: on CUDA aten's flash kernel (bf16/fp16; grouped K/V as they
+             are; documents through its varlen path, one launch per block) or, for float32, aten's
+             memory-efficient kernel; on CPU the CPU flash kernel;
+  ``cudnn``  aten's cuDNN attention (LSE (B, h, S, 1); no document masks: refused when asked);
+  ``auto``   flash when flash-attn imports on CUDA, else sdpa.
+The kernel is chosen from the backend and the device the job runs on (``kernel_device``), never
+from the tensors' device: aten's CUDA attention ops have meta kernels, so the memory planner and
+the tests trace the CUDA branch on fake CPU tensors (fake ``cuda`` tensors would abort autograd in
+a CPU-only build). The one thing that cannot run on fake tensors is flash-attn's compiled module:
+there its twin, aten's copy of the same FlashAttention-2 kernels (same outputs, same LSE layouts),
+is traced instead. The other device-only pieces (streams, events, pinned memory) are in
+``memory/host_store.py``, whose CPU twin is the same code with plain copies.
 
-On fake tensors (the memory planner) document ids have no values, so a document-masked block is
-planned as the dense block of the same shapes: the kernels' outputs are the same size either way
-and the boundary metadata is a few integers per document.
+On fake tensors with fake document ids (the memory planner) a document-masked block is planned as
+the dense block of the same shapes: the kernels' outputs are the same size either way and the
+boundary metadata is a few integers per document. With real document ids (the tests), the varlen
+CUDA branch itself is traced.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-from collections.abc import Iterator
+import functools
+import importlib
+import importlib.metadata
+import warnings
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
-BACKENDS = ("auto", "flash", "sdpa")
+BACKENDS = ("auto", "flash", "cudnn", "sdpa")
+"""What a user chooses (``[parallelism] attention_backend``)."""
+CUDA_BACKENDS = ("flash", "cudnn")
+"""Backends with no CPU kernel."""
+FLASH_ATTN_VERSIONS = ("2.7.0", "2.8.3")
+"""flash-attn releases this code is written for: from 2.7.0 (the 11-argument
+``_flash_attn_forward`` returning 4 values) up to 2.8.3, the newest checked against our calls."""
+
+KERNEL_LIMITS = {
+    # backend: (head_dim multiple, largest head_dim, dtypes); sources: flash-attn's and aten's
+    # flash_api.cpp (mha_fwd: head_size % 8 == 0, <= 256, "only support fp16 and bf16"), aten's
+    # sdp_utils.cpp for cuDNN (head_dim % 8 == 0, <= 128) and the memory-efficient kernel
+    # (head_dim % 8 == 0 for 16-bit inputs, % 4 for float32; any dtype of the three).
+    "flash": (8, 256, (torch.bfloat16, torch.float16)),
+    "cudnn": (8, 128, (torch.bfloat16, torch.float16)),
+    "sdpa": (8, 256, (torch.bfloat16, torch.float16, torch.float32)),
+}
 
 
-def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+@functools.cache
+def flash_attn_problem() -> str | None:
+    """Why the flash-attn package cannot run here, or None when it can. The compiled module is
+    imported (``flash_attn_interface`` imports ``flash_attn_2_cuda``): a wheel built for another
+    torch passes ``find_spec`` and fails only there."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        version = importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return "flash-attn is not installed (pip install 'upipe-dtensor[flash]')"
+    if _version_tuple(version) < _version_tuple(FLASH_ATTN_VERSIONS[0]):
+        return f"flash-attn {version} is older than {FLASH_ATTN_VERSIONS[0]}; upgrade it"
+    try:
+        importlib.import_module("flash_attn.flash_attn_interface")
+    except Exception as err:  # an ABI mismatch surfaces as ImportError or OSError
+        return (
+            f"flash-attn {version} does not import ({type(err).__name__}: {err}); it was built "
+            f"for another torch than {torch.__version__}: reinstall it from source "
+            "(pip install flash-attn --no-build-isolation)"
+        )
+    return None
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The concrete backend for ``name`` on ``device``; ValueError if it cannot run there."""
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def resolve_backend(name: str, device_type: str, *, traced: bool = False) -> str:
+    """The backend that runs for ``name`` on a ``device_type`` device: ``auto`` resolved, a CUDA
+    backend on CPU refused. ``traced``: planning a GPU run on fake tensors, where flash-attn's
+    twin stands in for the package (so ``flash`` and ``auto`` need no package here)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    if device_type != "cuda":
+        if name in CUDA_BACKENDS:
+            raise ValueError(
+                f"attention backend {name!r} needs a CUDA device; on {device_type} use 'sdpa' or "
+                "'auto'"
+            )
+        return "sdpa"
+    if traced:
+        return "sdpa" if name == "auto" else name
+    problem = flash_attn_problem()
+    if name == "flash" and problem:
+        raise ValueError(f"attention backend 'flash': {problem}; or use 'sdpa', 'cudnn' or 'auto'")
     if name == "auto":
-        return "flash" if device.type == "cuda" and flash_attn_available() else "sdpa"
-    if name == "flash" and not (device.type == "cuda" and flash_attn_available()):
-        raise ValueError(
-            "attention backend 'flash' needs CUDA tensors and the flash-attn package "
-            "(pip install 'upipe-dtensor[flash]'); use backend='sdpa' or 'auto'"
-        )
+        if problem:
+            _warn_once(f"attention backend 'auto' runs aten's flash kernels (sdpa): {problem}")
+            return "sdpa"
+        return "flash"
     return name
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def check_kernel_limits(backend: str, head_dim: int, dtype: torch.dtype | None = None) -> None:
+    """ValueError when a CUDA backend cannot run this head_dim (or dtype), naming the backends
+    that can; called when a style is applied, before any forward."""
+    if backend not in KERNEL_LIMITS:
+        return
+
+    def fits(name: str) -> bool:
+        multiple, largest, dtypes = KERNEL_LIMITS[name]
+        return (
+            head_dim % multiple == 0 and head_dim <= largest and (dtype is None or dtype in dtypes)
+        )
+
+    if not fits(backend):
+        working = [name for name in KERNEL_LIMITS if fits(name)]
+        multiple, largest, dtypes = KERNEL_LIMITS[backend]
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(
+            f"attention backend {backend!r} runs head_dim a multiple of {multiple} up to {largest} "
+            f"in {names}; this model has head_dim {head_dim}"
+            + (f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else "")
+            + (
+                f": use {' or '.join(map(repr, working))}"
+                if working
+                else ": no CUDA kernel runs it"
+            )
+        )
+
+
+def op_kernel(backend: str, kernel_device: str, x: Tensor) -> str:
+    """The kernel an attention op runs for its input ``x``: ``backend`` resolved for the device
+    the job runs on (``kernel_device``; "" means ``x``'s own): "cpu", or on CUDA the backend
+    itself ("flash", "cudnn", "sdpa"). Fake ``x`` (planning) traces the CUDA branch."""
+    device_type = kernel_device or x.device.type
+    resolved = resolve_backend(backend, device_type, traced=is_fake(x))
+    return "cpu" if device_type != "cuda" else resolved
+
+
 # --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
-
-_PLANNED_CUDA_BACKEND: str | None = None
-
-
-@contextlib.contextmanager
-def planning_cuda_workspaces(backend: str = "flash") -> Iterator[None]:
-    """The memory planner runs the CPU kernels on fake tensors for a GPU job; inside this context
-    every backward call also allocates, for the duration of the call, the workspace the CUDA kernel
-    allocates internally (see ``cuda_backward_workspace_bytes``)."""
-    global _PLANNED_CUDA_BACKEND
-    previous, _PLANNED_CUDA_BACKEND = _PLANNED_CUDA_BACKEND, backend
-    try:
-        yield
-    finally:
-        _PLANNED_CUDA_BACKEND = previous
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def cuda_backward_workspace_bytes(q: Tensor, k: Tensor, backend: str) -> int:
-    """Bytes flash-attn 2's backward (``mha_bwd`` in csrc/flash_attn/flash_api.cpp, also aten's
-    copy of it) allocates besides its outputs: a float32 dQ accumulator (B, round128(Sq), hq,
-    round32(d)) and softmax_d (B, hq, round128(Sq)); with GQA, flash-attn expands dK and dV to
-    every query head (2 x (B, Sk, hq, d) in the input dtype) before summing them. The aten path
-    gets K/V already repeated to the query heads, so it has no expansion."""
+def cuda_backward_workspace_bytes(q: Tensor, k: Tensor, kernel: str) -> int:
+    """Bytes FlashAttention-2's backward (``mha_bwd`` in csrc/flash_attn/flash_api.cpp, flash-attn's
+    and aten's copy alike) allocates besides its outputs: a float32 dQ accumulator (B,
+    round128(Sq), hq, round32(d)) and softmax_d (B, hq, round128(Sq)); with GQA, dK and dV
+    expanded to every query head (2 x (B, Sk, hq, d) in the input dtype) before being summed.
+    Meta kernels return only the outputs, so the planner allocates this for the call's duration.
+    cuDNN's and the memory-efficient kernel's internal workspaces are not modelled (their sizes
+    are not documented); their K/V are repeated to the query heads in activation space, which is
+    traced."""
+    if kernel not in ("flash", "sdpa") or q.dtype == torch.float32:
+        return 0
     batch, seq_q, heads, head_dim = q.shape
     rows = _round_up(seq_q, 128)
     workspace = batch * rows * heads * _round_up(head_dim, 32) * 4 + batch * heads * rows * 4
-    if backend == "flash" and k.shape[2] != heads:
+    if k.shape[2] != heads:
         workspace += 2 * batch * k.shape[1] * heads * head_dim * q.element_size()
     return workspace
 
@@ -110,38 +204,47 @@ def _sum_kv_grad(grad: Tensor, n_rep: int) -> Tensor:
     return grad if n_rep == 1 else grad.unflatten(2, (-1, n_rep)).sum(3)
 
 
-def _philox_placeholder(device: torch.device) -> Tensor:
-    """aten's flash backward takes the forward's dropout RNG state; without dropout it is unused."""
-    return torch.empty(2, dtype=torch.int64, device=device)
+def _uses_flash_attn(q: Tensor, kernel: str) -> bool:
+    """The flash-attn package runs real CUDA tensors; on fake ones its aten twin is traced."""
+    return kernel == "flash" and not is_fake(q)
 
 
-def _dense_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str, causal: bool):
-    if backend == "flash":
+def _aten_kernel(q: Tensor, kernel: str) -> str:
+    """Which aten CUDA op runs a block: flash (16-bit; also flash-attn's twin), efficient
+    (float32 under sdpa) or cudnn."""
+    if kernel == "cudnn":
+        return "cudnn"
+    return "efficient" if q.dtype == torch.float32 else "flash"
+
+
+def _dense_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, kernel: str, causal: bool):
+    if kernel == "cpu":  # the CPU kernel takes grouped K/V as they are
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+        )
+        return out.transpose(1, 2), lse
+    if _uses_flash_attn(q, kernel):
         from flash_attn.flash_attn_interface import _flash_attn_forward
 
         out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False)
         return out, lse
-    if q.is_cuda:  # aten's flash kernel: (B, S, h, d) in and out; K/V repeated to the query heads
-        n_rep = q.shape[2] // k.shape[2]
+    aten, n_rep = _aten_kernel(q, kernel), q.shape[2] // k.shape[2]
+    if aten == "flash":  # FlashAttention-2 handles grouped K/V itself: no repeat
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q,
-            _repeat_kv(k, n_rep),
-            _repeat_kv(v, n_rep),
-            None,
-            None,
-            q.shape[1],
-            k.shape[1],
-            0.0,
-            causal,
-            False,
-            scale=scale,
+            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale
         )
         return out, lse
-    # The CPU kernel takes grouped K/V as they are.
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+    # cuDNN and the memory-efficient kernel get K/V repeated to the query heads, (B, h, S, d).
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)))
+    if aten == "cudnn":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, causal, False, scale=scale
+        )
+        return out.transpose(1, 2), lse.squeeze(-1)  # cuDNN's LSE is (B, h, S, 1)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        qt, kt, vt, None, True, 0.0, causal, scale=scale
     )
-    return out.transpose(1, 2), lse
+    return out.transpose(1, 2), lse[..., : q.shape[1]]  # its LSE rows are padded to 32
 
 
 def _dense_backward(
@@ -152,17 +255,15 @@ def _dense_backward(
     out: Tensor,
     lse: Tensor,
     scale: float,
-    backend: str,
+    kernel: str,
     causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if _PLANNED_CUDA_BACKEND is not None:  # held through the call, as the CUDA kernel holds it
-        workspace = q.new_empty(
-            cuda_backward_workspace_bytes(q, k, _PLANNED_CUDA_BACKEND), dtype=torch.uint8
-        )
-        grads = _kernel_backward(grad_out, q, k, v, out, lse, scale, backend, causal)
+    if kernel != "cpu" and is_fake(q):  # the planner: held through the call, as CUDA holds it
+        workspace = q.new_empty(cuda_backward_workspace_bytes(q, k, kernel), dtype=torch.uint8)
+        grads = _kernel_backward(grad_out, q, k, v, out, lse, scale, kernel, causal)
         del workspace
         return grads
-    return _kernel_backward(grad_out, q, k, v, out, lse, scale, backend, causal)
+    return _kernel_backward(grad_out, q, k, v, out, lse, scale, kernel, causal)
 
 
 def _kernel_backward(
@@ -173,130 +274,166 @@ def _kernel_backward(
     out: Tensor,
     lse: Tensor,
     scale: float,
-    backend: str,
+    kernel: str,
     causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if backend == "flash":
+    grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
+    if kernel == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)), lse, 0.0, causal, scale=scale
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    if _uses_flash_attn(q, kernel):
         from flash_attn.flash_attn_interface import _flash_attn_backward
 
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _flash_attn_backward(
-            grad_out.contiguous(),
+            grad_out, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False
+        )
+        return dq, dk, dv
+    aten, n_rep = _aten_kernel(q, kernel), q.shape[2] // k.shape[2]
+    if aten == "flash":
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)  # no dropout: no RNG state
+        return torch.ops.aten._flash_attention_backward(
+            grad_out,
             q,
             k,
             v,
-            out.contiguous(),
-            lse.contiguous(),
-            dq,
-            dk,
-            dv,
-            0.0,
-            scale,
-            causal,
-            -1,
-            -1,
-            0.0,
-            None,
-            False,
-        )
-        return dq, dk, dv
-    if q.is_cuda:
-        n_rep = q.shape[2] // k.shape[2]
-        rng = _philox_placeholder(q.device)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(),
-            q,
-            _repeat_kv(k, n_rep),
-            _repeat_kv(v, n_rep),
-            out.contiguous(),
-            lse.contiguous(),
+            out,
+            lse,
             None,
             None,
             q.shape[1],
             k.shape[1],
             0.0,
             causal,
-            rng,
-            rng,
+            unused,
+            unused,
             scale=scale,
         )
-        return dq, _sum_kv_grad(dk, n_rep), _sum_kv_grad(dv, n_rep)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)),
-        lse.contiguous(),
-        0.0,
-        causal,
-        scale=scale,
+    qt, kt, vt, gt, ot = (
+        t.transpose(1, 2) for t in (q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), grad_out, out)
     )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    seed = torch.empty((), dtype=torch.long, device=q.device)
+    if aten == "cudnn":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            gt,
+            qt,
+            kt,
+            vt,
+            ot,
+            lse.unsqueeze(-1),
+            seed,
+            seed,
+            None,
+            None,
+            None,
+            q.shape[1],
+            k.shape[1],
+            0.0,
+            causal,
+            scale=scale,
+        )
+    else:
+        padded = lse.new_zeros(*lse.shape[:-1], _round_up(lse.shape[-1], 32))
+        padded[..., : lse.shape[-1]] = lse
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            gt,
+            qt,
+            kt,
+            vt,
+            None,
+            ot,
+            padded,
+            seed,
+            seed,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
+    dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
+    return dq, _sum_kv_grad(dk, n_rep), _sum_kv_grad(dv, n_rep)
 
 
 # --- document-masked blocks ----------------------------------------------------------------------
 
 
-def _documents_given(q: Tensor, q_docs: Tensor | None, k_docs: Tensor | None) -> bool:
+def _documents_given(q_docs: Tensor | None, k_docs: Tensor | None) -> bool:
+    """Document ids with values: real ones (fake ids, the planner's, have none: dense plan)."""
     if (q_docs is None) != (k_docs is None):
         raise ValueError("pass both q_docs and k_docs, or neither")
-    return q_docs is not None and not (is_fake(q_docs) or is_fake(q))
+    return q_docs is not None and not is_fake(q_docs)
 
 
 def _segments(docs: Tensor) -> list[list[tuple[int, int]]]:
-    """[start, end) of every document, per batch row (only the change points go to the host)."""
+    """[start, end) of every document, per batch row: host metadata, computed outside any fake
+    mode (the planner traces the kernels, not this)."""
     rows = []
     length = docs.shape[1]
-    for row in docs:
-        cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
-        bounds = [0, *cuts, length]
-        rows.append(list(zip(bounds[:-1], bounds[1:])))
+    with unset_fake_temporarily():
+        for row in docs.cpu():
+            cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+            bounds = [0, *cuts, length]
+            rows.append(list(zip(bounds[:-1], bounds[1:])))
     return rows
 
 
 def _shared_document(q_docs: Tensor, k_docs: Tensor) -> list[tuple[int, int]]:
     """Per row of a past block: (queries, keys) = the query prefix and key suffix of the one
     document that has both, or (0, 0)."""
-    common = k_docs[:, -1:]
-    queries = (q_docs == common).sum(1) * (q_docs[:, :1] == common).squeeze(1)
-    keys = (k_docs == common).sum(1) * (queries > 0)
-    return list(zip(queries.tolist(), keys.tolist()))
+    with unset_fake_temporarily():
+        q_docs, k_docs = q_docs.cpu(), k_docs.cpu()
+        common = k_docs[:, -1:]
+        queries = (q_docs == common).sum(1) * (q_docs[:, :1] == common).squeeze(1)
+        keys = (k_docs == common).sum(1) * (queries > 0)
+        return list(zip(queries.tolist(), keys.tolist()))
 
 
 def _varlen_seqlens(
     segments: list[list[tuple[int, int]]], length: int, device
 ) -> tuple[Tensor, int]:
-    """cu_seqlens over the batch packed row after row, and the longest document."""
+    """cu_seqlens over the batch packed row after row (one host-to-device copy of a few
+    integers), and the longest document."""
     bounds = [row * length + start for row, spans in enumerate(segments) for start, _ in spans]
     bounds.append(len(segments) * length)
     longest = max(end - start for spans in segments for start, end in spans)
     return torch.tensor(bounds, dtype=torch.int32, device=device), longest
 
 
-def _flash_varlen_forward(q, k, v, scale, segments):
-    from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
-
+def _varlen_forward(q, k, v, scale, kernel, segments):
+    """Every document of a diagonal block in one varlen launch (flash-attn's, or aten's flash)."""
     batch, length, heads, _ = q.shape
     cu, longest = _varlen_seqlens(segments, length, q.device)
-    out, lse, *_ = _flash_attn_varlen_forward(
-        *(t.flatten(0, 1) for t in (q, k, v)),
-        cu,
-        cu,
-        longest,
-        longest,
-        0.0,
-        scale,
-        True,
-    )
-    # flash-attn's varlen LSE is (heads, total tokens): back to (B, heads, S).
+    flat = [t.flatten(0, 1) for t in (q, k, v)]
+    if _uses_flash_attn(q, kernel):
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+        out, lse, *_ = _flash_attn_varlen_forward(*flat, cu, cu, longest, longest, 0.0, scale, True)
+    else:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            *flat, cu, cu, longest, longest, 0.0, True, False, scale=scale
+        )
+    # The varlen LSE is (heads, total tokens): back to (B, heads, S).
     return out.view_as(q), lse.view(heads, batch, length).transpose(0, 1)
 
 
-def _flash_varlen_backward(grad_out, q, k, v, out, lse, scale, segments):
+def _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, segments):
+    cu, longest = _varlen_seqlens(segments, q.shape[1], q.device)
+    flat = [t.flatten(0, 1) for t in (grad_out.contiguous(), q, k, v, out.contiguous())]
+    flat_lse = lse.transpose(0, 1).flatten(1).contiguous()
+    if not _uses_flash_attn(q, kernel):
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)
+        grads = torch.ops.aten._flash_attention_backward(
+            *flat, flat_lse, cu, cu, longest, longest, 0.0, True, unused, unused, scale=scale
+        )
+        return tuple(g.view_as(t) for g, t in zip(grads, (q, k, v)))
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
-    cu, longest = _varlen_seqlens(segments, q.shape[1], q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_attn_varlen_backward(
-        *(t.flatten(0, 1) for t in (grad_out.contiguous(), q, k, v, out.contiguous())),
-        lse.transpose(0, 1).flatten(1).contiguous(),
+        *flat,
+        flat_lse,
         *(t.flatten(0, 1) for t in (dq, dk, dv)),
         cu,
         cu,
@@ -314,11 +451,19 @@ def _flash_varlen_backward(grad_out, q, k, v, out, lse, scale, segments):
     return dq, dk, dv
 
 
-def _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs):
+def _has_varlen(q: Tensor, kernel: str) -> bool:
+    """Kernels with a varlen path: flash-attn and aten's flash (16-bit). The CPU kernel and
+    float32's memory-efficient kernel run one document at a time."""
+    return kernel == "flash" or (kernel == "sdpa" and q.dtype != torch.float32)
+
+
+def _document_forward(q, k, v, scale, kernel, causal, q_docs, k_docs):
+    if kernel == "cudnn":
+        raise ValueError(_CUDNN_DOCUMENTS)
     if causal:
         segments = _segments(q_docs)
-        if backend == "flash":
-            return _flash_varlen_forward(q, k, v, scale, segments)
+        if _has_varlen(q, kernel):
+            return _varlen_forward(q, k, v, scale, kernel, segments)
         out, lse = (
             torch.empty_like(q),
             q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32),
@@ -326,7 +471,7 @@ def _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs):
         for row, spans in enumerate(segments):
             for start, end in spans:
                 o, lse_part = _dense_forward(
-                    *(t[row : row + 1, start:end] for t in (q, k, v)), scale, backend, True
+                    *(t[row : row + 1, start:end] for t in (q, k, v)), scale, kernel, True
                 )
                 out[row : row + 1, start:end], lse[row : row + 1, :, start:end] = o, lse_part
         return out, lse
@@ -341,24 +486,26 @@ def _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs):
                 k[row : row + 1, -keys:],
                 v[row : row + 1, -keys:],
                 scale,
-                backend,
+                kernel,
                 False,
             )
             out[row : row + 1, :queries], lse[row : row + 1, :, :queries] = o, lse_part
     return out, lse
 
 
-def _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_docs, k_docs):
+def _document_backward(grad_out, q, k, v, out, lse, scale, kernel, causal, q_docs, k_docs):
+    if kernel == "cudnn":
+        raise ValueError(_CUDNN_DOCUMENTS)
     if causal:
         segments = _segments(q_docs)
-        if backend == "flash":
-            return _flash_varlen_backward(grad_out, q, k, v, out, lse, scale, segments)
+        if _has_varlen(q, kernel):
+            return _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, segments)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for row, spans in enumerate(segments):
             for start, end in spans:
                 piece = (t[row : row + 1, start:end] for t in (grad_out, q, k, v, out))
                 grads = _dense_backward(
-                    *piece, lse[row : row + 1, :, start:end], scale, backend, True
+                    *piece, lse[row : row + 1, :, start:end], scale, kernel, True
                 )
                 for grad, target in zip(grads, (dq, dk, dv)):
                     target[row : row + 1, start:end] = grad
@@ -375,11 +522,17 @@ def _document_backward(grad_out, q, k, v, out, lse, scale, backend, causal, q_do
                 out[rows, :queries],
                 lse[rows, :, :queries],
                 scale,
-                backend,
+                kernel,
                 False,
             )
             dq[rows, :queries], dk[rows, -keys:], dv[rows, -keys:] = grads
     return dq, dk, dv
+
+
+_CUDNN_DOCUMENTS = (
+    "attention backend 'cudnn' cannot mask documents (aten's cuDNN op has no varlen path); "
+    "use 'flash' or 'sdpa' with [training] attention_mask = 'document'"
+)
 
 
 # --- the contract ------------------------------------------------------------------------------
@@ -390,17 +543,17 @@ def attention_forward(
     k: Tensor,
     v: Tensor,
     scale: float,
-    backend: str,
+    kernel: str,
     *,
     causal: bool = True,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of one block (module docstring); returns (out (B,Sq,hq,d), lse (B,hq,Sq)
-    float32)."""
-    if _documents_given(q, q_docs, k_docs):
-        return _document_forward(q, k, v, scale, backend, causal, q_docs, k_docs)
-    return _dense_forward(q, k, v, scale, backend, causal)
+    float32). ``kernel`` is ``op_kernel``'s answer."""
+    if _documents_given(q_docs, k_docs):
+        return _document_forward(q, k, v, scale, kernel, causal, q_docs, k_docs)
+    return _dense_forward(q, k, v, scale, kernel, causal)
 
 
 def attention_backward(
@@ -411,15 +564,15 @@ def attention_backward(
     out: Tensor,
     lse: Tensor,
     scale: float,
-    backend: str,
+    kernel: str,
     *,
     causal: bool = True,
     q_docs: Tensor | None = None,
     k_docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. q, k, v of one block, from the (final, merged) out and lse."""
-    if _documents_given(q, q_docs, k_docs):
+    if _documents_given(q_docs, k_docs):
         return _document_backward(
-            grad_out, q, k, v, out, lse, scale, backend, causal, q_docs, k_docs
+            grad_out, q, k, v, out, lse, scale, kernel, causal, q_docs, k_docs
         )
-    return _dense_backward(grad_out, q, k, v, out, lse, scale, backend, causal)
+    return _dense_backward(grad_out, q, k, v, out, lse, scale, kernel, causal)

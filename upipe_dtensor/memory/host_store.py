@@ -8,6 +8,14 @@ started early
 runs with plain copies. ``host_device`` may be a stand-in (the memory planner uses ``meta``), so
 host memory is counted apart from device memory; ``host_bytes`` / ``peak_host_bytes`` report what
 the pool holds.
+
+This module is the project's one device-runtime seam: every stream, event and pinned-memory call
+is here, on documented ``torch.cuda`` APIs, and nothing else in the package needs a GPU to run.
+The rules it keeps (untraced: fake tensors have no streams): a tensor fetched back is allocated
+on the compute stream, so the caching allocator can reuse its memory there, and filled on the side
+stream (``record_stream`` keeps it alive for that stream); the compute stream, never the CPU, waits
+for each copy's event; a host buffer goes back to the pool at once and is only waited for (its
+copies' events) when it is handed out again, by which time they have long finished.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ class HostStore:
     ) -> None:
         self.device, self.host_device = device, host_device
         self.host_bytes = self.peak_host_bytes = 0
-        self._pool: dict[tuple, list[Tensor]] = {}
+        self._pool: dict[tuple, list[tuple[Tensor, list[torch.cuda.Event]]]] = {}
         cuda = device.type == "cuda"
         self._to_host = torch.cuda.Stream(device) if cuda else None
         self._to_device = torch.cuda.Stream(device) if cuda else None
@@ -72,7 +80,10 @@ class HostStore:
     def _host_buffer(self, like: Tensor) -> Tensor:
         free = self._pool.get((tuple(like.shape), like.dtype))
         if free:
-            return free.pop()
+            buffer, copies = free.pop(0)  # the oldest: its copies are the likeliest done
+            for copy in copies:  # copies into and out of the buffer must be finished
+                copy.synchronize()
+            return buffer
         if self.device.type == "cuda" and self.host_device.type == "cpu":
             buffer = _pinned_empty(like.shape, like.dtype)
         else:
@@ -103,11 +114,16 @@ class HostStore:
         if self._to_device is None:  # a real copy even on CPU: the host buffer may be reused
             parked.on_device = parked.host.to(parked.device, copy=True)
             return
+        compute = torch.cuda.current_stream(self.device)
+        on_device = torch.empty_like(parked.host, device=parked.device)  # the compute stream's
+        self._to_device.wait_stream(compute)  # the allocation is ordered on the compute stream
         with torch.cuda.stream(self._to_device):
             self._to_device.wait_event(parked.copied_to_host)
-            parked.on_device = parked.host.to(parked.device, non_blocking=True)
+            on_device.copy_(parked.host, non_blocking=True)
+            on_device.record_stream(self._to_device)
             parked.copied_to_device = torch.cuda.Event()
             parked.copied_to_device.record()
+        parked.on_device = on_device
 
     def retrieve(self, parked: Parked, *, release: bool) -> Tensor:
         """The tensor back on the device (prefetched or copied now). ``release`` returns the host
@@ -115,20 +131,18 @@ class HostStore:
         self.prefetch(parked)
         tensor, parked.on_device = parked.on_device, None  # the caller owns it from here on
         if parked.copied_to_device is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(parked.copied_to_device)
-            tensor.record_stream(current)
+            torch.cuda.current_stream(self.device).wait_event(parked.copied_to_device)
             parked.last_read, parked.copied_to_device = parked.copied_to_device, None
         if release:
             self.release(parked)
         return tensor
 
     def release(self, parked: Parked) -> None:
-        """Return the host buffer to the pool (the tensor is not needed again)."""
-        for copy in (parked.copied_to_host, parked.last_read):
-            if copy is not None:  # copies into and out of the buffer must be finished
-                copy.synchronize()
-        self._pool.setdefault((tuple(parked.host.shape), parked.host.dtype), []).append(parked.host)
+        """Return the host buffer to the pool (the tensor is not needed again); the copies still
+        running into or out of it are waited for when the buffer is handed out again."""
+        copies = [c for c in (parked.copied_to_host, parked.last_read) if c is not None]
+        key = (tuple(parked.host.shape), parked.host.dtype)
+        self._pool.setdefault(key, []).append((parked.host, copies))
 
 
 class HostMemory:

@@ -31,6 +31,10 @@ Memory bound (per rank, N = B*S/C local tokens, c = N/u tokens per chunk, per-ra
           (~c*U*d each, local and gathered), one fetched earlier K/V chunk (+ the next in flight),
           the float32 running output of the chunk; in backward one query chunk's q, o, dO, dQ and
           one K/V chunk's k, v and float32 dK, dV. None of it grows with the number of chunks.
+          Sums across chunks and stages are float32: the weight gradients with several chunks
+          (one float32 copy of wq, wk, wv, independent of N), dx with several stages (UPipe x
+          FPDT: N*D*4 instead of N*D*b, cast to the N*D*b result at the end). One stage keeps
+          dx in b: the chunks' rows of dx are disjoint, nothing is summed across them.
   host  : the K/V chunks of the current KV block (2*N*C*k*d), and in backward q, o, dO and
           partial dQ of the stage (~4*N*U*d) plus partial dK/dV between the stages of a block.
 """
@@ -40,8 +44,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from upipe_dtensor.kernels.attention import attention_backward, attention_forward, resolve_backend
-from upipe_dtensor.kernels.merge import PartialAttention
+from upipe_dtensor.kernels.attention import attention_backward, attention_forward, op_kernel
+from upipe_dtensor.kernels.merge import PartialAttention, accumulator
 from upipe_dtensor.kernels.tiling import visited
 from upipe_dtensor.memory.host_store import HostStore, Parked, named_host_store
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
@@ -119,7 +123,7 @@ def fpdt_forward(
     layer = _Chunks(x, wq, wk, wv, params)
     schedule, backend, scale = (
         layer.schedule,
-        resolve_backend(params.backend, x.device),
+        op_kernel(params.backend, params.kernel_device, x),
         params.scale,
     )
     parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
@@ -196,19 +200,21 @@ def fpdt_backward(
     lse: Tensor,
     params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The paper's backward order per stage; returns (dx, dwq, dwk, dwv, dwo)."""
+    """The paper's backward order per stage; returns (dx, dwq, dwk, dwv, dwo). Sums across
+    chunks (weight gradients, dQ, dK, dV) and stages (dx, a KV block's dK, dV) are float32."""
     layer = _Chunks(x, wq, wk, wv, params)
     schedule, backend, scale = (
         layer.schedule,
-        resolve_backend(params.backend, x.device),
+        op_kernel(params.backend, params.kernel_device, x),
         params.scale,
     )
     parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
-    grad_x = torch.zeros_like(x)
+    grad_x = accumulator(x, summed=len(schedule.stages) > 1)
     grad_wq, grad_wk, grad_wv = (
-        torch.zeros_like(w).view(-1, params.head_dim, x.shape[-1]) for w in (wq, wk, wv)
+        accumulator(w, summed=params.chunks > 1).view(-1, params.head_dim, x.shape[-1])
+        for w in (wq, wk, wv)
     )
     count = len(layer.spans)
 
@@ -236,8 +242,7 @@ def fpdt_backward(
             span_j = layer.spans[j]
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
             if stage.opens_kv_block:
-                grad_k_j = torch.zeros_like(k_j, dtype=torch.float32)
-                grad_v_j = torch.zeros_like(v_j, dtype=torch.float32)
+                grad_k_j, grad_v_j = accumulator(k_j), accumulator(v_j)
             else:
                 grad_k_j = parking.get(("dk", j), release=True)
                 grad_v_j = parking.get(("dv", j), release=True)
@@ -246,11 +251,7 @@ def fpdt_backward(
                 q_i = parking.get(("q", i), release=i == j)
                 o_i = parking.get(("o", i), release=i == j)
                 do_i = parking.get(("do", i), release=i == j)
-                grad_q_i = (
-                    torch.zeros_like(q_i, dtype=torch.float32)
-                    if j == 0
-                    else parking.get(("dq", i), release=True)
-                )
+                grad_q_i = accumulator(q_i) if j == 0 else parking.get(("dq", i), release=True)
                 if step + 1 < len(queries):  # the next query chunk travels while this one computes
                     following = queries[step + 1]
                     parking.prefetch(
@@ -302,7 +303,8 @@ def fpdt_backward(
             del grad_k_j, grad_v_j
         if stage.closes_kv_block:
             parking.clear()
-    return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv), grad_wo
+    grads = (grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv))
+    return (*(g.to(t.dtype) for g, t in zip(grads, (x, wq, wk, wv))), grad_wo)
 
 
 _OP = AttentionOp("fpdt", fpdt_forward, fpdt_backward)

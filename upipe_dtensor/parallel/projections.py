@@ -36,9 +36,11 @@ def forget_head_indices() -> None:
 
 
 def _add_product(target: Tensor, a: Tensor, b: Tensor) -> None:
-    """target += a @ b, where ``target`` is (tokens, D) or a (B, L, D) span of a larger buffer:
-    in place when the span is contiguous (always with batch 1), else through one temporary."""
-    if target.is_contiguous():
+    """target += a @ b, where ``target`` is (rows, D) or a (B, L, D) span of a larger buffer, in
+    the operands' dtype or a float32 accumulator (``kernels.merge.accumulator``): in place when
+    the span is contiguous (always with batch 1) and of the operands' dtype, else through one
+    temporary, the product rounded once to the operands' dtype (as ``memory.tiled_mlp`` does)."""
+    if target.is_contiguous() and target.dtype == a.dtype:
         target.view(-1, target.shape[-1]).addmm_(a, b)
     else:
         target.add_((a @ b).view_as(target))
@@ -145,17 +147,19 @@ class AttentionProjections:
         self, grad_q_h: Tensor, stage: Stage, rope: Tensor, grad_x: Tensor, grad_wq: Tensor
     ) -> None:
         """From the stage's query gradient in the head layout: grad_x += dq @ wq[stage] (grad_x
-        is this span's (tokens, D) or (B, L, D) rows); grad_wq[stage heads] += dq.T @ x."""
+        is this span's (tokens, D) or (B, L, D) rows); grad_wq[stage heads] += dq.T @ x. The
+        gradients may be float32 accumulators of bf16 weights and activations."""
         grad_q = apply_rope_transpose(self.to_sequence(grad_q_h), rope)
         grad_q = grad_q.reshape(-1, self.head_dim * len(stage.query_heads))
         _add_product(grad_x, grad_q, self.stage_rows(self.wq, stage))
         first = stage.first_head_if_contiguous
         if first is not None:
             rows = grad_wq[first : first + len(stage.query_heads)].view(-1, self.dim)
-            rows.addmm_(grad_q.t(), self.x_flat)
+            _add_product(rows, grad_q.t(), self.x_flat)
         else:
             index = _head_index(stage.query_heads, grad_wq.device)
-            grad_wq.index_add_(0, index, (grad_q.t() @ self.x_flat).view(-1, *grad_wq.shape[1:]))
+            product = (grad_q.t() @ self.x_flat).view(-1, *grad_wq.shape[1:])
+            grad_wq.index_add_(0, index, product.to(grad_wq.dtype))
 
     def kv_backward(
         self,
@@ -175,7 +179,7 @@ class AttentionProjections:
         for grad, weight, grad_weight in ((grad_k, self.wk, grad_wk), (grad_v, self.wv, grad_wv)):
             grad = grad.reshape(-1, (stop - start) * self.head_dim)
             _add_product(grad_x, grad, weight[start:stop].reshape(-1, self.dim))
-            grad_weight[start:stop].view(-1, self.dim).addmm_(grad.t(), self.x_flat)
+            _add_product(grad_weight[start:stop].view(-1, self.dim), grad.t(), self.x_flat)
 
     def _kv_grad(self, grad_h: Tensor) -> Tensor:
         """A KV block's gradient in the head layout -> model KV heads on the local span."""

@@ -12,8 +12,9 @@ equal on all ranks, and each step is one of the kernel contract's two block kind
     block of a rank o > p (later)     : p's late chunk of queries x all of o's keys (past)
 
 Partial results are merged exactly through their log-sum-exp in float32 (``kernels.merge``).
-Backward runs the same ring with the final output and LSE; each block's dK/dV travel with it in
-float32 accumulators and arrive back at their owner after the last step.
+Backward runs the same ring with the final output and LSE; dQ sums over the ring steps in a
+float32 accumulator, and each block's dK/dV travel with it in float32 accumulators and arrive back
+at their owner after the last step, returned as they are for the caller to add into its own.
 
 The next block's send/receive is posted before the current block is computed, so on CUDA (NCCL
 runs on its own stream) the transfer overlaps the attention; gloo on CPU runs the same code.
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
-from upipe_dtensor.kernels.merge import PartialAttention
+from upipe_dtensor.kernels.merge import PartialAttention, accumulator
 from upipe_dtensor.parallel.layouts import ring_halves, ring_positions
 
 _KV_TAG, _GRAD_TAG = 1, 2
@@ -160,7 +161,10 @@ def ring_attention_backward(
     ring: Ring,
     doc_ids: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of ``ring_attention_forward`` from its final ``out`` and ``lse``."""
+    """(dq, dk, dv) of ``ring_attention_forward`` from its final ``out`` and ``lse``: dq in
+    q's dtype (it goes through the all-to-all next); dk and dv, summed over the ring steps, in
+    float32 (the caller adds them into its float32 dK/dV accumulators; no rounding in between),
+    or the kernel's own with a ring of one."""
     seq_len = q.shape[1] * ring.size
     if ring.size == 1:
         return attention_backward(
@@ -168,16 +172,13 @@ def ring_attention_backward(
         )
     blocks = _Blocks(ring, seq_len, doc_ids)
     mine = blocks.docs(ring.rank)
-    grad_q = torch.zeros_like(q, dtype=torch.float32)
+    grad_q = accumulator(q)
     kv, grad_shift = (k, v), None
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
         shift = _Shift(ring, kv, _KV_TAG) if step < ring.size - 1 else None
         if grad_shift is None:  # this rank's own block: its accumulators start here
-            grad_kv = (
-                torch.zeros_like(k, dtype=torch.float32),
-                torch.zeros_like(v, dtype=torch.float32),
-            )
+            grad_kv = accumulator(k), accumulator(v)
         else:  # the accumulators of ``owner``'s block, from the previous rank
             grad_kv = grad_shift.wait()
         rows, keys, causal = blocks.spans(owner)
@@ -204,4 +205,4 @@ def ring_attention_backward(
         if shift is not None:
             kv = shift.wait()
     grad_k, grad_v = grad_shift.wait()  # this rank's own block, back from its last visitor
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+    return grad_q.to(q.dtype), grad_k, grad_v

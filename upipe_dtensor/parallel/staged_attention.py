@@ -34,7 +34,10 @@ Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = 
             stage's worth of those plus dx, the weight gradients and the block's float32 dK/dV
             accumulators (2 * N*C_h*k*d*4); a ring adds the travelling K/V and dK/dV of one block
             and a float32 dQ of one stage. On CUDA flash-attn adds a float32 dQ workspace of the
-            stage (``kernels.attention.cuda_backward_workspace_bytes``).
+            stage (``kernels.attention.cuda_backward_workspace_bytes``). With more than one stage
+            dx is summed over the stages in a float32 accumulator, N*D*4 instead of N*D*b, and
+            cast to the N*D*b result at the end (both live then); with one stage (Ulysses, ring)
+            dx stays in b. Weight gradients need no accumulator: one stage writes each row.
   weights : a stage whose heads are not contiguous gathers its U*d rows of wq and columns of wo
             (independent of the sequence length, so negligible at long context).
 Classic Ulysses (U = H) holds all of Q and the attention output in both layouts at once; UPipe
@@ -46,7 +49,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from upipe_dtensor.kernels.attention import resolve_backend
+from upipe_dtensor.kernels.attention import op_kernel
+from upipe_dtensor.kernels.merge import accumulator
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
 from upipe_dtensor.parallel.projections import AttentionProjections, resolve_group
 from upipe_dtensor.parallel.ring import Ring, ring_attention_backward, ring_attention_forward
@@ -61,7 +65,7 @@ class _Layer(AttentionProjections):
         super().__init__(x, wq, wk, wv, params)
         group = resolve_group(params.ring_group, params.ring_degree)
         self.ring = Ring(group, group.rank() if group is not None else 0, params.ring_degree)
-        self.backend = resolve_backend(params.backend, x.device)
+        self.backend = op_kernel(params.backend, params.kernel_device, x)
         self.scale = params.scale
 
 
@@ -117,20 +121,20 @@ def staged_backward(
     lse: Tensor,
     params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv, dwo)."""
+    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv, dwo).
+    Sums over stages (dx) and over a KV block's stages (dK, dV) are float32 (``merge``)."""
     layer = _Layer(x, wq, wk, wv, params)
     schedule = layer.schedule
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(layer.batch, layer.local_len, schedule.n_heads, params.head_dim)
-    grad_x = torch.zeros_like(x)
+    grad_x = accumulator(x, summed=len(schedule.stages) > 1)
     grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (layer.wq, layer.wk, layer.wv))
     k_h = v_h = grad_k_h = grad_v_h = None
 
     for index, stage in enumerate(schedule.stages):
         if stage.opens_kv_block:
             k_h, v_h = layer.kv_for_block(stage.kv_block, rope)
-            grad_k_h = torch.zeros_like(k_h, dtype=torch.float32)
-            grad_v_h = torch.zeros_like(v_h, dtype=torch.float32)
+            grad_k_h, grad_v_h = accumulator(k_h), accumulator(v_h)
         q_h = layer.query_for_stage(stage, rope)
         o_h = layer.to_heads(layer.read_stage(out, stage))
         grad_o_h = layer.output_grad(grad_y, wo, stage)
@@ -159,7 +163,13 @@ def staged_backward(
             layer.kv_backward(grad_k_h, grad_v_h, stage.kv_block, rope, grad_x, grad_wk, grad_wv)
             k_h = v_h = grad_k_h = grad_v_h = None
 
-    return grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv), grad_wo
+    return (
+        grad_x.to(x.dtype),
+        grad_wq.view_as(wq),
+        grad_wk.view_as(wk),
+        grad_wv.view_as(wv),
+        grad_wo,
+    )
 
 
 _OP = AttentionOp("attention", staged_forward, staged_backward)

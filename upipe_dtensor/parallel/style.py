@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from upipe_dtensor.kernels.attention import BACKENDS
+from upipe_dtensor.kernels.attention import BACKENDS, CUDA_BACKENDS, check_kernel_limits
 from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.host_store import HostMemory
 from upipe_dtensor.parallel.attention_op import AttentionParams
@@ -67,11 +67,14 @@ class ContextParallelAttention(ParallelStyle):
     (``shard_positions``) and which op runs the attention (``_attend``).
     """
 
-    def __init__(self, *, backend: str = "auto") -> None:
+    def __init__(self, *, backend: str = "auto", kernel_device: str | None = None) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.backend = backend
+        self.kernel_device = kernel_device
+        """The device type the kernels are chosen for (None: the tensors' own device). The trainer
+        passes its device; the memory planner "cuda", tracing the CUDA kernels on fake tensors."""
 
     def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
         """The global token indices rank ``cp_rank`` of the ``cp_size`` CP ranks feeds, in module
@@ -98,6 +101,7 @@ class ContextParallelAttention(ParallelStyle):
             heads_per_stage=self._stage_heads(module.n_heads, axes.head_degree),
             scale=module.head_dim**-0.5,
             backend=self.backend,
+            kernel_device=self.kernel_device or "",
         )
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
@@ -116,6 +120,8 @@ class ContextParallelAttention(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_attention_module(module)
+        if self.kernel_device == "cuda" or self.backend in CUDA_BACKENDS:
+            check_kernel_limits("sdpa" if self.backend == "auto" else self.backend, module.head_dim)
         axes = self._axes(device_mesh)
         make_head_schedule(  # the geometry, checked before any forward
             module.n_heads,
@@ -166,8 +172,13 @@ class UPipeAttention(ContextParallelAttention):
             then ``shard_positions`` cannot know the layout and raises.
         chunk_tokens (int, optional): tokens per global sequence chunk (after the all-to-all);
             ``None`` runs each stage over the whole sequence.
-        backend (str): local attention kernel: "auto" (flash-attn on CUDA if installed, else
-            PyTorch's flash kernels), "flash" or "sdpa".
+        backend (str): local attention kernel: "auto" (flash-attn on CUDA if it imports, else
+            PyTorch's own), "flash" (flash-attn), "cudnn" (aten's cuDNN attention) or "sdpa"
+            (aten's flash kernel, memory-efficient for float32, the CPU kernel on CPU); see
+            ``kernels.attention``.
+        kernel_device (str, optional): the device type the kernels are chosen for; None means
+            the tensors' own. The memory planner passes "cuda" to trace the CUDA kernels on fake
+            CPU tensors.
         host_device (torch.device): with ``chunk_tokens``, where earlier chunks are parked (pinned
             on CUDA); the memory planner passes a stand-in it counts as host memory.
 
@@ -184,9 +195,10 @@ class UPipeAttention(ContextParallelAttention):
         ring_degree: int | None = None,
         chunk_tokens: int | None = None,
         backend: str = "auto",
+        kernel_device: str | None = None,
         host_device: torch.device = torch.device("cpu"),
     ) -> None:
-        super().__init__(backend=backend)
+        super().__init__(backend=backend, kernel_device=kernel_device)
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(
                 f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}"
@@ -282,8 +294,14 @@ class UlyssesAttention(UPipeAttention):
     they run.
     """
 
-    def __init__(self, *, ring_degree: int | None = None, backend: str = "auto") -> None:
-        super().__init__(ring_degree=ring_degree, backend=backend)
+    def __init__(
+        self,
+        *,
+        ring_degree: int | None = None,
+        backend: str = "auto",
+        kernel_device: str | None = None,
+    ) -> None:
+        super().__init__(ring_degree=ring_degree, backend=backend, kernel_device=kernel_device)
 
     def _stage_heads(self, n_heads: int, head_degree: int) -> int:
         return n_heads
@@ -300,7 +318,7 @@ class RingAttention(ContextParallelAttention):
     (one stage of every head, no head axis) as 2D UPipe.
 
     Keyword Args:
-        backend (str): local attention kernel, as for ``UPipeAttention``.
+        backend, kernel_device: the local attention kernel, as for ``UPipeAttention``.
     """
 
     def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
@@ -327,7 +345,7 @@ class FPDTAttention(UPipeAttention):
 
     Keyword Args:
         chunk_tokens (int): tokens per global chunk (after the all-to-all); at least the CP degree.
-        backend (str): local attention kernel, as for ``UPipeAttention``.
+        backend, kernel_device: the local attention kernel, as for ``UPipeAttention``.
         host_device (torch.device): where earlier chunks are parked (pinned on CUDA); the memory
             planner passes a stand-in it counts as host memory.
     """
@@ -337,9 +355,15 @@ class FPDTAttention(UPipeAttention):
         *,
         chunk_tokens: int,
         backend: str = "auto",
+        kernel_device: str | None = None,
         host_device: torch.device = torch.device("cpu"),
     ) -> None:
-        super().__init__(chunk_tokens=chunk_tokens, backend=backend, host_device=host_device)
+        super().__init__(
+            chunk_tokens=chunk_tokens,
+            backend=backend,
+            kernel_device=kernel_device,
+            host_device=host_device,
+        )
 
     def _stage_heads(self, n_heads: int, head_degree: int) -> int:
         return n_heads

@@ -7,22 +7,38 @@ import resource
 
 import torch
 
-# Dense bf16 peak FLOP/s by device name, for MFU; devices not listed report no MFU.
-_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+PEAK_BF16_FLOPS = {
+    # Dense bf16 peak FLOP/s by the exact name torch.cuda.get_device_name reports, from NVIDIA's
+    # data sheets: H100 SXM5 989.4 TFLOP/s, H100 PCIe 756, H100 NVL 835 (per GPU), H200 SXM 989,
+    # A100 (SXM4 and PCIe) 312, B200 2250. Another part (an H100 variant, a name not listed)
+    # reports no MFU rather than a wrong one.
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA B200": 2250e12,
+}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """The device's dense bf16 peak for MFU (None when unknown) and why not, for the log."""
     if device.type != "cuda":
-        return None
+        return None, "n/a"
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
+    peak = PEAK_BF16_FLOPS.get(name)
+    return peak, "" if peak else f"n/a (unknown GPU {name})"
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: max allocated by the caching allocator. CPU: the process's peak resident set."""
+def peak_memory_bytes(device: torch.device) -> tuple[int, int | None]:
+    """(peak allocated, peak reserved): CUDA's caching allocator, whose reserved memory is what
+    the GPU really gives up; on CPU the process's peak resident set and no reserved figure."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None  # Linux: KiB
 
 
 class MetricsLogger:
@@ -44,7 +60,7 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.world_size = world_size
         self.enabled = enabled
-        self.peak = peak_flops(device)
+        self.peak, self.no_mfu = peak_flops(device)
         self.writer = None
         if enabled and log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
@@ -73,8 +89,11 @@ class MetricsLogger:
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_second_per_device": tokens_per_device,
-            "memory_peak_gib": peak_memory_bytes(self.device) / 2**30,
         }
+        allocated, reserved = peak_memory_bytes(self.device)
+        scalars["memory_peak_gib"] = allocated / 2**30
+        if reserved is not None:
+            scalars["memory_reserved_gib"] = reserved / 2**30
         if host_offload_bytes is not None:
             scalars["host_offload_gib"] = host_offload_bytes / 2**30
         if self.peak is not None:
@@ -83,11 +102,15 @@ class MetricsLogger:
             for name, value in scalars.items():
                 self.writer.add_scalar(name, value, step)
         if step % self.log_freq == 0 or step == 1:
-            mfu = f"{scalars['mfu_percent']:.1f}%" if "mfu_percent" in scalars else "n/a"
+            mfu = f"{scalars['mfu_percent']:.1f}%" if "mfu_percent" in scalars else self.no_mfu
+            memory = f"mem {scalars['memory_peak_gib']:.2f} GiB" + (
+                f" (reserved {scalars['memory_reserved_gib']:.2f} GiB)"
+                if reserved is not None
+                else ""
+            )
             print(
                 f"step {step:5d} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
-                f"tok/s/dev {tokens_per_device:,.0f} | mfu {mfu} | "
-                f"mem {scalars['memory_peak_gib']:.2f} GiB"
+                f"tok/s/dev {tokens_per_device:,.0f} | mfu {mfu} | {memory}"
                 + (
                     f" | host offload {scalars['host_offload_gib']:.2f} GiB"
                     if host_offload_bytes is not None
