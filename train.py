@@ -7,7 +7,8 @@ Any ``--section.key value`` after the config overrides that key of the file.
 
 Exit codes: 0 trained to [training] steps (or already there); 1 a run-time failure explained in
 one line (damaged snapshots, no space, non-finite loss, dump folder in use); 2 a configuration
-error; 128 + N stopped by signal N (SIGTERM, SIGUSR1) after saving a snapshot.
+error; 128 + N stopped by signal N (SIGTERM, SIGUSR1, Ctrl-C: 130) after saving a snapshot (a
+second Ctrl-C stops at once, keeping the last snapshot).
 """
 
 from __future__ import annotations

@@ -125,7 +125,9 @@ def test_each_format_yields_its_documents_in_sorted_path_order(tmp_path):
     )
     pq.write_table(pa.table({"text": ["pq one", "pq two"], "n": [1, 2]}), tmp_path / "e.parquet")
     (tmp_path / "notes.md").write_text("ignored: not a supported suffix")
-    assert list(LocalDocuments(str(tmp_path), "text")) == [
+    with pytest.raises(ValueError, match=r"d.jsonl:3: the document text is blank; fix or remove"):
+        list(LocalDocuments(str(tmp_path), "text"))  # a blank record is a bad record
+    assert list(LocalDocuments(str(tmp_path), "text", skip_bad=True)) == [
         "first doc",
         "second\ndoc",
         "one whole file\n\nwith a blank line",
@@ -248,6 +250,9 @@ def test_resume_refuses_another_dp_geometry(tokenizer):
 def test_hub_dataset_is_streamed(tokenizer, monkeypatch):
     import datasets
 
+    import upipe_dtensor.data.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "hub_unreachable", lambda name: "")  # as if online
     calls = []
 
     def fake_load_dataset(name, split, streaming):
@@ -289,10 +294,10 @@ def _bad(tmp_path: Path, case: str) -> tuple[dict, str]:
         )
     if case == "parquet_field":
         pq.write_table(pa.table({"content": ["a"]}), bad / "d.parquet")
-        return {"dataset_path": str(bad)}, r"d.parquet has no column 'text'.*\['content'\]"
+        return {"dataset_path": str(bad)}, r"d.parquet: has no column 'text'.*\['content'\]"
     if case == "bad_json":
         (bad / "d.jsonl").write_text("{'text': 'single quotes'}\n")
-        return {"dataset_path": str(bad)}, r"d.jsonl:1 is not valid JSON"
+        return {"dataset_path": str(bad)}, r"d.jsonl:1: not valid JSON, one object per line"
     if case == "seq_len":
         return {"seq_len": 0}, "seq_len must be >= 1"
     if case == "batch_size":

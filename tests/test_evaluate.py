@@ -86,14 +86,19 @@ def _train_then_evaluate(rank: int, world: int, tmp: str, out: str) -> None:
     runs = {
         "newest": _evaluate(job, tokens),
         "step2": _evaluate(job, tokens, "--checkpoint.load_step", "2"),
+        "step2 again": _evaluate(job, tokens, "--checkpoint.load_step", "2"),
     }
-    _damage(checkpoints / "step-4", truncate=False)
-    runs["explicit damaged"] = _evaluate(job, tokens, "--checkpoint.load_step", "4")
+    runs["outputs"] = sorted(p.name for p in (tmp_path / "out").glob("loss_by_position_*"))
+    runs["record"] = json.loads(
+        (tmp_path / "out" / "loss_by_position_tokens_step-4_causal.json").read_text()
+    )
+    _damage(checkpoints / "step-4", truncate=False)  # evaluated before: --overwrite from here on
+    runs["explicit damaged"] = _evaluate(job, tokens, "--checkpoint.load_step", "4", "--overwrite")
     runs["after explicit"] = sorted(p.name for p in checkpoints.iterdir())
-    runs["fallback"] = _evaluate(job, tokens)
+    runs["fallback"] = _evaluate(job, tokens, "--overwrite")
     runs["after fallback"] = sorted(p.name for p in checkpoints.iterdir())
     _damage(checkpoints / "step-2", truncate=True)
-    runs["none good"] = _evaluate(job, tokens)
+    runs["none good"] = _evaluate(job, tokens, "--overwrite")
     Path(out).write_text(json.dumps(runs))
 
 
@@ -108,6 +113,17 @@ def test_evaluate_verifies_snapshots_and_falls_back_like_the_trainer(tmp_path: P
     )
     assert step2["code"] == 0 and f"evaluated snapshot {checkpoints / 'step-2'}" in step2["stdout"]
     assert newest["result"]["loss"] != step2["result"]["loss"]  # training moved the weights
+    # Each run's outputs are named by its weights and mask; nothing is written over unasked.
+    assert runs["outputs"] == [
+        f"loss_by_position_tokens_{step}_causal.{kind}"
+        for step in ("step-2", "step-4")
+        for kind in ("json", "png")
+    ]
+    assert runs["record"]["loss"] == newest["result"]["loss"]
+    assert runs["record"]["weights"] == f"snapshot {checkpoints / 'step-4'}"
+    again = runs["step2 again"]
+    assert again["code"] == 2 and "loss_by_position_tokens_step-2_causal.png" in again["stderr"]
+    assert "already exist; an earlier run on the same tokens, weights and mask" in again["stderr"]
 
     explicit = runs["explicit damaged"]  # the user named the step: no fallback, nothing renamed
     assert explicit["code"] == 1 and explicit["result"] is None

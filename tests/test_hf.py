@@ -200,7 +200,7 @@ def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_fo
     weights = [1, 1, 2, 4, 8, 16, 31]  # positions per bucket: the buckets average back to the loss
     mean = sum(w * v for w, v in zip(weights, report["loss_by_position"].values())) / (SEQ_LEN - 1)
     assert abs(mean - report["loss"]) <= 1e-6 * report["loss"]
-    assert (tmp_path / "out" / "loss_by_position_tokens.png").stat().st_size > 0
+    assert (tmp_path / "out" / "loss_by_position_tokens_hf_causal.png").stat().st_size > 0
 
 
 def test_hf_to_dcp_to_hf_is_bit_exact(tmp_path: Path, hf_folder: Path) -> None:

@@ -3,5 +3,6 @@
 ``snapshots`` saves and chooses DCP snapshots (atomic, verified, with fallback to an older good
 one); ``manifest`` records and checks each snapshot's files (size, CRC-32); ``storage`` checks
 free space and writability before a save; ``job_lock`` keeps two jobs out of one dump folder;
-``weights`` loads and saves model weights as DCP or Hugging Face safetensors.
+``weights`` loads and saves model weights as DCP or Hugging Face safetensors; ``outputs`` is
+the rule every command's writes follow (refuse what exists, write aside, rename into place).
 """

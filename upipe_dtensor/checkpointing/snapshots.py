@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,8 +184,9 @@ class _Pickled(Stateful):
 
 
 class Checkpointer:
-    """Saves and loads the job's state; ``job`` (the parallel geometry) is recorded in each
-    manifest so that a resume with another data-parallel degree can be refused up front."""
+    """Saves and loads the job's state; ``job`` (the parallel geometry) and ``data()`` (the
+    fingerprint of the data consumed, collective) are recorded in each manifest, so that a resume
+    with another data-parallel degree, or on changed data, can be refused up front."""
 
     def __init__(
         self,
@@ -198,11 +200,13 @@ class Checkpointer:
         dataloader,
         dp_rank: int,
         job: dict[str, Any],
+        data: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.job = job
+        self.data = data
         self.step = 0
         self.latest: Path | None = None
         """The newest snapshot known good: the one loaded, then each one saved."""
@@ -250,8 +254,11 @@ class Checkpointer:
             lambda: shutil.rmtree(partial) if partial.exists() else None
         )  # a killed save's debris
         try:
+            record = {"step": step, "job": self.job}
+            if self.data is not None:
+                record["data"] = self.data()
             dcp.save(self.states, checkpoint_id=str(partial))
-            nbytes = write_manifest(partial, {"step": step, "job": self.job})
+            nbytes = write_manifest(partial, record)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True))
             if is_out_of_space(err):

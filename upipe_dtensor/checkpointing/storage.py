@@ -34,6 +34,12 @@ def check_writable(folder: Path, role: str, fix: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"ok")
         probe.unlink()
+    except (FileExistsError, NotADirectoryError) as err:  # permissions would not help
+        file = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
+        raise JobError(
+            f"the {role} {folder} cannot be a folder: {file} is a file; set [job] dump_folder "
+            "(and [checkpoint] folder) to a folder path"
+        ) from err
     except OSError as err:
         raise JobError(
             f"cannot write to the {role} {folder}: {err.strerror or err}; {fix}"

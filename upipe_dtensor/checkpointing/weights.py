@@ -12,10 +12,12 @@ The same functions work on plain (unsharded) tensors, which is what ``convert`` 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,8 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
+from upipe_dtensor.checkpointing.outputs import publish_folder, temporary_sibling
 from upipe_dtensor.models.hf_config import hf_config_for, hf_shape_mismatch, read_hf_config
 from upipe_dtensor.models.llama3 import Llama3Args
+from upipe_dtensor.runtime.collectives import broadcast, on_rank0
+
+T = TypeVar("T")
 
 SNAPSHOT_MODEL_PREFIX = "train.model."
 """Where a training snapshot (``checkpoint.Checkpointer``) keeps the model's weights."""
@@ -147,10 +153,83 @@ def check_initial_load(config, args: Llama3Args) -> None:
         raise ValueError(
             f"{folder} holds no *.safetensors weights to load ([checkpoint] initial_load_in_hf)"
         )
+    check_safetensors(folder)
     mismatch = hf_shape_mismatch(args, read_hf_config(folder))
     if mismatch:
         raise ValueError(
             f"the model to train and the weights in {folder}/config.json differ: {mismatch}"
+        )
+
+
+def check_safetensors(folder: str) -> None:
+    """ValueError naming the first damaged ``*.safetensors`` file of ``folder``, found from the
+    headers alone (a few KiB per file): a truncated copy or download is named here instead of
+    surfacing as a reader error without a file name while the model loads."""
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            raise ValueError(f"{path} {problem}; copy or download it again")
+
+
+def _safetensors_problem(path: Path) -> str:
+    """What is wrong with one safetensors file ("" if its header parses and its tensors fit in
+    it). The format: 8 bytes of header length, a JSON header, then the tensors' bytes."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if size < 8 or 8 + length > size:
+            return f"is truncated: {size:,} bytes, fewer than its header alone needs"
+        try:
+            header = json.loads(handle.read(length))
+            tensors = (entry for key, entry in header.items() if key != "__metadata__")
+            end = max((int(entry["data_offsets"][1]) for entry in tensors), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "is damaged: its header is not a safetensors header"
+    if 8 + length + end > size:
+        return f"is truncated: {size:,} bytes, its header describes {8 + length + end:,}"
+    return ""
+
+
+def _config_error(message: str) -> Exception:
+    """A ``ConfigError`` (imported here: the config checks import this module)."""
+    from upipe_dtensor.config.schema import ConfigError
+
+    return ConfigError(message)
+
+
+def check_shapes(
+    expected: dict[str, torch.Size],
+    stored: dict[str, Any],
+    source: str,
+    *,
+    prefix: str = "",
+    complete: bool = True,
+) -> None:
+    """ConfigError when the weights stored in ``source`` (DCP metadata by name) are not the
+    configured model's, as in a checkpoint of another model: a weight missing or of another
+    shape, or (``complete``: ``expected`` is the whole model) a stored weight the model lacks.
+    ``prefix``: where the model's weights sit among the stored names. Decided from metadata,
+    before any tensor is read."""
+    problems = []
+    for key, shape in expected.items():
+        size = getattr(stored.get(prefix + key), "size", None)
+        if size is None:
+            problems.append(f"{key} is missing there")
+        elif tuple(size) != tuple(shape):
+            problems.append(f"{key} is {tuple(size)} there, {tuple(shape)} in this model")
+    if complete:
+        problems += [
+            f"{name.removeprefix(prefix)} is there but not in this model"
+            for name, meta in stored.items()
+            if name.startswith(prefix)
+            and hasattr(meta, "size")
+            and name.removeprefix(prefix) not in expected
+        ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise _config_error(
+            f"the weights in {source} are not this model's: {problems[0]}{more}; pass the job "
+            "config (and any --section.key overrides) they were saved with"
         )
 
 
@@ -167,10 +246,14 @@ def load_hf_weights(model: nn.Module, args: Llama3Args, folder: str) -> None:
     adapter = Llama3HFAdapter(args, None)  # the folder only matters for a save's file layout
     tied = _hf_tied_embeddings(folder)
     options = StateDictOptions(strict=False)
+    check_safetensors(folder)
+    stored = HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata
     for group in _by_block(get_model_state_dict(model)):
         hf_group = adapter.to_hf(_by_columns(group))
         if tied:
             hf_group.pop("lm_head.weight", None)
+        expected = {key: value.shape for key, value in hf_group.items()}
+        check_shapes(expected, stored, folder, complete=False)
         dcp.load(hf_group, storage_reader=HuggingFaceStorageReader(folder))
         loaded = adapter.from_hf(hf_group)
         if tied and "output.weight" in group:
@@ -183,16 +266,27 @@ def load_dcp_weights(model: nn.Module, folder: str) -> None:
     or a model-only checkpoint with plain weight names (``convert --to dcp``, torchtitan's)."""
     keys = FileSystemReader(folder).read_metadata().state_dict_metadata
     state = get_model_state_dict(model)
-    if any(key.startswith(SNAPSHOT_MODEL_PREFIX) for key in keys):
+    snapshot = any(key.startswith(SNAPSHOT_MODEL_PREFIX) for key in keys)
+    expected = {key: value.shape for key, value in state.items()}
+    check_shapes(expected, keys, folder, prefix=SNAPSHOT_MODEL_PREFIX if snapshot else "")
+    if snapshot:
         dcp.load({"train": {"model": state}}, checkpoint_id=folder)
     else:
         dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state)
 
 
-def save_dcp_weights(model: nn.Module, folder: str) -> None:
-    """A model-only DCP checkpoint with plain weight names (loadable by ``load_dcp_weights``)."""
-    dcp.save(get_model_state_dict(model), checkpoint_id=folder)
+def save_dcp_weights(model: nn.Module, folder: str, *, overwrite: bool = False) -> list[str]:
+    """A model-only DCP checkpoint with plain weight names (loadable by ``load_dcp_weights``),
+    written and published as ``save_hf_weights`` writes its folder; returns the entries kept."""
+    final = Path(folder)
+    partial = temporary_sibling(final, _shared_token())
+    try:
+        dcp.save(get_model_state_dict(model), checkpoint_id=str(partial))
+        return _on_rank0(lambda: publish_folder(partial, final, overwrite=overwrite))
+    finally:
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # ours, left only by a failure
 
 
 def _rank() -> int:
@@ -204,6 +298,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _on_rank0(fn: Callable[[], T]) -> T:
+    """``fn`` on rank 0, its result or error on every rank (just ``fn`` without a process group)."""
+    return on_rank0(fn) if dist.is_initialized() else fn()
+
+
+def _shared_token() -> str:
+    """A random name every rank agrees on (rank 0's), for a folder they write together."""
+    token = uuid.uuid4().hex[:12]
+    return broadcast(token) if dist.is_initialized() else token
+
+
 def save_hf_weights(
     model: nn.Module,
     args: Llama3Args,
@@ -212,19 +317,37 @@ def save_hf_weights(
     dtype: torch.dtype,
     base_folder: str = "",
     tokenizer_folder: str = "",
-) -> None:
+    overwrite: bool = False,
+) -> list[str]:
     """Write ``model`` as a Hugging Face folder ``transformers`` loads: config.json for ``args``
     (over ``base_folder``'s, keeping its other fields), safetensors in ``dtype`` (laid out in
     files as ``base_folder``'s index says, else one file), and the tokenizer files.
 
     Every rank writes its own shards; the shards are then merged into the final files (by one
     rank per file), as torchtitan's checkpointer does. The folder appears complete or not at all:
-    it is written as ``folder.partial`` and renamed at the end.
+    it is written as a temporary sibling and moved into place at the end (``outputs``). A
+    non-empty ``folder`` is refused (ConfigError) unless ``overwrite``, and even then only the
+    files written here replace their namesakes; returns the names of the entries kept.
     """
-    final, partial = Path(folder), Path(f"{folder}.partial")
-    if _rank() == 0 and partial.exists():
-        shutil.rmtree(partial)
-    _barrier()
+    final = Path(folder)
+    partial = temporary_sibling(final, _shared_token())
+    try:
+        _write_hf_folder(model, args, partial, dtype, base_folder, tokenizer_folder)
+        return _on_rank0(lambda: publish_folder(partial, final, overwrite=overwrite))
+    finally:
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # ours, left only by a failure
+
+
+def _write_hf_folder(
+    model: nn.Module,
+    args: Llama3Args,
+    partial: Path,
+    dtype: torch.dtype,
+    base_folder: str,
+    tokenizer_folder: str,
+) -> None:
+    """The Hugging Face folder of ``save_hf_weights``, written whole into ``partial``."""
     has_index = bool(base_folder) and (Path(base_folder) / "model.safetensors.index.json").is_file()
     adapter = Llama3HFAdapter(args, base_folder if has_index else None)
     state = {key: value.to(dtype) for key, value in get_model_state_dict(model).items()}
@@ -267,7 +390,4 @@ def save_hf_weights(
             for name in HF_SIDE_FILES:
                 if source and (source_dir / name).is_file() and not (partial / name).exists():
                     shutil.copy(source_dir / name, partial / name)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
     _barrier()

@@ -6,7 +6,7 @@ parse_args, check_job, ConfigError``.
 """
 
 from upipe_dtensor.config.checks import check_job
-from upipe_dtensor.config.loader import config_help, load_config, parse_args
+from upipe_dtensor.config.loader import OVERRIDES_HELP, config_help, load_config, parse_args
 from upipe_dtensor.config.schema import (
     CP_STYLES,
     FPDT_PAPER_CHUNK_TOKENS,
@@ -17,6 +17,7 @@ from upipe_dtensor.config.schema import (
 __all__ = [
     "CP_STYLES",
     "FPDT_PAPER_CHUNK_TOKENS",
+    "OVERRIDES_HELP",
     "ConfigError",
     "JobConfig",
     "check_job",

@@ -8,6 +8,8 @@ checks of things that live elsewhere are asked of their owners: the model shape 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 from upipe_dtensor.checkpointing.weights import check_initial_load
@@ -15,6 +17,23 @@ from upipe_dtensor.config.schema import ConfigError, JobConfig
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
 from upipe_dtensor.parallel.layouts import chunk_count
+
+
+def _check_finite(config: JobConfig, fail) -> None:
+    """Every number of every section is finite: ``--optimizer.lr nan`` passes each range check
+    (comparisons with nan are false) and trains to a nan loss; inf is no setting either."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        if not dataclasses.is_dataclass(values):
+            continue
+        for key in dataclasses.fields(values):
+            value = getattr(values, key.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                fail(
+                    f"[{section.name}] {key.name} = {value} is not a finite number; give it a "
+                    f"number (the default is {key.default!r})",
+                    f"{section.name}.{key.name}",
+                )
 
 
 def _check_positive(config: JobConfig, fail) -> None:
@@ -163,6 +182,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
         set."""
         raise ConfigError(f"{config.source_of(*keys)}: {reason}")
 
+    _check_finite(config, fail)
     _check_positive(config, fail)
     parallelism, training = config.parallelism, config.training
     cp = parallelism.context_parallel_degree
@@ -220,6 +240,14 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "activation_checkpoint.mode",
         )
     _check_context_parallel(config, args, fail)
+    if parallelism.attention_backend == "cudnn" and training.attention_mask == "document":
+        fail(
+            "[parallelism] attention_backend = 'cudnn' cannot mask documents (aten's cuDNN "
+            "attention has no varlen path); use 'flash' or 'sdpa' with [training] attention_mask "
+            "= 'document'",
+            "parallelism.attention_backend",
+            "training.attention_mask",
+        )
     dataset = training.dataset
     if not dataset.strip() or dataset != dataset.strip():
         fail(

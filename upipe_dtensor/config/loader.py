@@ -25,6 +25,15 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+OVERRIDES_HELP = (
+    "--config FILE.toml names the job file. Any --section.key value (or --section.key=value)\n"
+    "after it overrides that key of the file, e.g.\n"
+    "    --config recipes/debug_model.toml --training.seq_len 4096 --parallelism.cp_style ulysses\n"
+    "python train.py --help lists every section and key."
+)
+"""How every command's ``--help`` explains the job file and its overrides (one wording)."""
+
+
 def _sections() -> dict[str, type]:
     hints = typing.get_type_hints(JobConfig)
     return {

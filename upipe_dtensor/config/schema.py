@@ -29,10 +29,14 @@ class Job:
     """Folder for this job's logs, tensorboard events and checkpoints."""
     description: str = "default job"
     """Free text, printed at start-up."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the job runs: 'auto' is each process's GPU under torchrun when CUDA works, else the
+    CPU; 'cuda' refuses to start without a usable GPU (a broken CUDA install never trains on the
+    CPU unnoticed); 'cpu' runs on the CPU with gloo even where GPUs exist."""
     stop_grace_seconds: float = 20.0
-    """After SIGTERM or SIGUSR1, wait this long for the running step to end, then save a snapshot
-    and exit; if the step is still running then, exit at once without one. Keep it below the
-    scheduler's kill delay (torchrun, Slurm KillWait, Kubernetes: 30 s) minus a save's time."""
+    """After SIGTERM, SIGUSR1 or Ctrl-C, wait this long for the running step to end, then save a
+    snapshot and exit; if the step is still running then, exit at once without one. Keep it below
+    the scheduler's kill delay (torchrun, Slurm KillWait, Kubernetes: 30 s) minus a save's time."""
 
 
 @dataclass
@@ -101,6 +105,10 @@ class Training:
     position_ids: Literal["global", "document"] = "global"
     """RoPE positions: 'global' counts from the sequence start, 'document' restarts at 0 at
     every document start (after each EOS)."""
+    skip_bad_records: bool = False
+    """Skip data records that cannot be documents (a line that is not JSON, no
+    dataset_text_field, a text that is not a string or is blank) instead of refusing to start;
+    the start-up log counts them and names the first few by file and line."""
 
 
 @dataclass
@@ -123,6 +131,11 @@ class Parallelism:
     fpdt: 0 means 65536, the FPDT paper's setting. upipe: 0 runs each head stage over the whole
     sequence; a value > 0 is UPipe x FPDT, heads and sequence both chunked (the longest
     contexts)."""
+    attention_backend: Literal["auto", "flash", "cudnn", "sdpa"] = "auto"
+    """Local attention kernel: 'flash' the flash-attn package (>= 2.7), 'cudnn' aten's cuDNN
+    attention (no document masks), 'sdpa' PyTorch's own (aten's flash kernel on CUDA,
+    memory-efficient in float32, the CPU kernel on CPU), 'auto' flash when flash-attn imports on
+    CUDA, else sdpa (the start-up line names what runs). The planner traces the CUDA kernels."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
 
@@ -243,6 +256,10 @@ class Checkpoint:
     safetensors, tokenizer) to {folder}/step-N-hf, loadable by transformers and vLLM."""
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """Weight dtype of the Hugging Face export (float32 keeps the trained weights exactly)."""
+    accept_data_change: bool = False
+    """Resume although the training data changed since the snapshot (files added, removed or
+    modified, or the documents already read differ): the loader continues at the saved document
+    index of the data as it is now. Off: such a resume is refused, naming what changed."""
 
 
 @dataclass

@@ -8,26 +8,41 @@ into one token stream and cuts it into consecutive, non-overlapping windows of `
   fixed (sorted paths, or the stream's order) and nothing is shuffled, so every context-parallel
   rank of one dp rank builds the same batches on its own.
 - A ``.txt`` file holds one document, or several separated by form feeds (``"\\f"``); each is
-  stripped of surrounding whitespace. ``.jsonl`` and ``.parquet`` hold one document per record,
-  in ``text_field``. Blank documents are dropped, in every format, before documents are numbered.
+  stripped of surrounding whitespace, and blank ones are dropped. ``.jsonl`` and ``.parquet`` hold
+  one document per record, in ``text_field``.
+- A record that cannot be a document (a line that is not JSON, no ``text_field``, a text that is
+  not a string or is blank, a file that is not UTF-8 or not parquet) stops the loader with its file
+  and line, or is skipped with ``skip_bad=True``; ``data.checks`` finds them all before a job
+  starts. Documents are numbered after blanks and skipped records are left out.
 - The loader's state is a position in the stream (epoch, document, tokens of it already used), so
   resuming tokenizes one document, and changing ``seq_len`` or ``batch_size`` on resume is fine.
+  It also holds how many documents of the epoch were read and a SHA-256 of them, so a resume can
+  tell whether the data it continues on is the data it stopped on.
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import json
-from collections.abc import Callable, Iterator
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pyarrow.parquet as pq
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_FIELD_FIX = "set text_field to the field that holds the document text"
+RECORD_FIX = (
+    "fix or remove it, set text_field ([training] dataset_text_field) to the field that holds "
+    "the document text, or skip bad records ([training] skip_bad_records = true)"
+)
+HUB_PROBE_SECONDS = 5.0
+"""How long the reachability probe of the Hugging Face Hub waits before calling it unreachable."""
 
 
 class Tokenizer(HuggingFaceTokenizer):
@@ -79,117 +94,235 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
     return tokenizer
 
 
-def _as_text(value: Any, where: str) -> str:
+@dataclass(frozen=True)
+class Record:
+    """One record of a data file: its document text, or why it cannot be a document."""
+
+    where: str
+    """The file and line (``.txt``, ``.jsonl``), the file and row (``.parquet``), or the file."""
+    text: str = ""
+    problem: str = ""
+
+    @property
+    def message(self) -> str:
+        return f"{self.where}: {self.problem}"
+
+
+def _text_record(value: Any, where: str) -> Record:
     if not isinstance(value, str):
-        raise ValueError(
-            f"{where}: the document text is {type(value).__name__}, not a string; {_FIELD_FIX}"
-        )
-    return value
+        return Record(where, problem=f"the document text is {type(value).__name__}, not a string")
+    if not value.strip():
+        return Record(where, problem="the document text is blank")
+    return Record(where, text=value)
 
 
-def _field_of(record: Any, field: str, where: str) -> str:
+def _field_record(record: Any, field: str, where: str) -> Record:
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{where}: record has no field {field!r} (it has {keys}); {_FIELD_FIX}")
-    return _as_text(record[field], where)
+        return Record(where, problem=f"record has no field {field!r} (it has {keys})")
+    return _text_record(record[field], where)
 
 
-def _read_txt(path: Path, field: str) -> Iterator[str]:
-    for part in path.read_text(encoding="utf-8").split("\f"):
-        yield part.strip()
+def _unreadable(path: Path, err: OSError) -> Record:
+    return Record(str(path), problem=f"cannot be read ({err.strerror or err})")
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{path}:{lineno} is not valid JSON ({e}); write one object per line"
-                    ) from e
-                yield _field_of(record, field, f"{path}:{lineno}")
+def _txt_records(path: Path, field: str) -> Iterator[Record]:
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        yield _unreadable(path, err)
+        return
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        yield Record(f"{path}:{line}", problem=f"not UTF-8 text (byte {err.start:,})")
+        return
+    line = 1
+    for part in text.replace("\r\n", "\n").replace("\r", "\n").split("\f"):
+        if part.strip():  # blanks between form feeds are not records
+            start = line + part[: len(part) - len(part.lstrip())].count("\n")
+            yield Record(f"{path}:{start}", text=part.strip())
+        line += part.count("\n")
 
 
-def _open_parquet(path: Path, field: str) -> pq.ParquetFile:
-    file = pq.ParquetFile(path)  # reads only the footer
-    if field not in file.schema_arrow.names:
-        names = file.schema_arrow.names
-        raise ValueError(f"{path} has no column {field!r} (it has {names}); {_FIELD_FIX}")
+def _jsonl_line(raw: bytes, field: str, where: str) -> Record:
+    try:
+        return _field_record(json.loads(raw.decode("utf-8")), field, where)
+    except UnicodeDecodeError as err:
+        return Record(where, problem=f"not UTF-8 text (byte {err.start:,} of the line)")
+    except json.JSONDecodeError as err:
+        return Record(where, problem=f"not valid JSON, one object per line ({err})")
+
+
+def _jsonl_records(path: Path, field: str) -> Iterator[Record]:
+    try:
+        handle = path.open("rb")
+    except OSError as err:
+        yield _unreadable(path, err)
+        return
+    with handle:
+        for lineno, raw in enumerate(handle, 1):
+            if raw.strip():  # blank lines are not records
+                yield _jsonl_line(raw, field, f"{path}:{lineno}")
+
+
+def _open_parquet(path: Path, field: str) -> pq.ParquetFile | Record:
+    """The file (only its footer is read), or the problem that makes all of it unusable."""
+    try:
+        file = pq.ParquetFile(path)
+    except OSError as err:
+        return _unreadable(path, err)
+    except Exception as err:  # pyarrow's ArrowInvalid: not a parquet file
+        return Record(str(path), problem=f"is not a readable parquet file ({err})")
+    names = file.schema_arrow.names
+    if field not in names:
+        return Record(str(path), problem=f"has no column {field!r} (it has {names})")
     return file
 
 
-def _read_parquet(path: Path, field: str) -> Iterator[str]:
+def _parquet_records(path: Path, field: str) -> Iterator[Record]:
     file = _open_parquet(path, field)
+    if isinstance(file, Record):
+        yield file
+        return
     row = 0
     for batch in file.iter_batches(columns=[field]):
         for value in batch.column(0).to_pylist():
-            yield _as_text(value, f"{path} row {row}")
+            yield _text_record(value, f"{path} row {row}")
             row += 1
 
 
-_READERS: dict[str, Callable[[Path, str], Iterator[str]]] = {
-    ".txt": _read_txt,
-    ".jsonl": _read_jsonl,
-    ".parquet": _read_parquet,
+_RECORDS: dict[str, Callable[[Path, str], Iterator[Record]]] = {
+    ".txt": _txt_records,
+    ".jsonl": _jsonl_records,
+    ".parquet": _parquet_records,
 }
+
+
+def good_texts(records: Iterable[Record], skip_bad: bool) -> Iterator[str]:
+    """The texts of ``records``; a bad one is skipped (``skip_bad``) or a ValueError."""
+    for record in records:
+        if not record.problem:
+            yield record.text
+        elif not skip_bad:
+            raise ValueError(f"{record.message}; {RECORD_FIX}")
+
+
+def list_files(dataset_path: str) -> list[Path]:
+    """The data files of ``dataset_path``: the file itself, or a folder's supported files in
+    sorted relative-path order. ValueError naming the problem and a fix."""
+    kinds = "/".join(SUPPORTED_SUFFIXES)
+    fix = f"point dataset_path at a {kinds} file or a directory of them (e.g. assets/corpus)"
+    root = Path(dataset_path)
+    if not dataset_path or not root.exists():
+        raise ValueError(f"dataset_path {dataset_path!r} does not exist; {fix}")
+    if root.is_file():
+        if root.suffix not in SUPPORTED_SUFFIXES:
+            raise ValueError(f"dataset_path {dataset_path!r} is not a supported file; {fix}")
+        return [root]
+    files = sorted(
+        (p for p in root.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise ValueError(f"dataset_path {dataset_path!r} holds no {kinds} files; {fix}")
+    return files
 
 
 class LocalDocuments:
     """The documents of one file, or of a directory's files in sorted relative-path order."""
 
-    def __init__(self, dataset_path: str, text_field: str) -> None:
+    def __init__(self, dataset_path: str, text_field: str, *, skip_bad: bool = False) -> None:
         self.description = f"dataset_path {dataset_path!r}"
-        self.files = self._list_files(dataset_path)
+        self.files = list_files(dataset_path)
         self.text_field = text_field
+        self.skip_bad = skip_bad
         for file in self.files:  # a wrong text_field fails now, not after hours of other files
-            if file.suffix == ".parquet":
-                _open_parquet(file, text_field)
-            elif file.suffix == ".jsonl":
-                next(_read_jsonl(file, text_field), None)
+            if file.suffix in (".jsonl", ".parquet") and not skip_bad:
+                first = next(_RECORDS[file.suffix](file, text_field), None)
+                if first is not None and first.problem:
+                    raise ValueError(f"{first.message}; {RECORD_FIX}")
 
-    @staticmethod
-    def _list_files(dataset_path: str) -> list[Path]:
-        kinds = "/".join(SUPPORTED_SUFFIXES)
-        fix = f"point dataset_path at a {kinds} file or a directory of them (e.g. assets/corpus)"
-        root = Path(dataset_path)
-        if not dataset_path or not root.exists():
-            raise ValueError(f"dataset_path {dataset_path!r} does not exist; {fix}")
-        if root.is_file():
-            if root.suffix not in SUPPORTED_SUFFIXES:
-                raise ValueError(f"dataset_path {dataset_path!r} is not a supported file; {fix}")
-            return [root]
-        files = sorted(
-            (p for p in root.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES),
-            key=lambda p: p.relative_to(root).as_posix(),
-        )
-        if not files:
-            raise ValueError(f"dataset_path {dataset_path!r} holds no {kinds} files; {fix}")
-        return files
+    def records(self) -> Iterator[Record]:
+        """Every record of every file, good and bad, in order."""
+        for file in self.files:
+            yield from _RECORDS[file.suffix](file, self.text_field)
 
     def __iter__(self) -> Iterator[str]:
-        for file in self.files:
-            for text in _READERS[file.suffix](file, self.text_field):
-                if text.strip():
-                    yield text
+        return good_texts(self.records(), self.skip_bad)
+
+
+def hub_unreachable(name: str) -> str:
+    """Why the Hugging Face Hub cannot serve dataset ``name`` ("" if it may): a few seconds'
+    connection probe instead of ``datasets``' retries, which take half a minute to fail offline.
+    Skipped (""), leaving the answer to ``datasets``, in offline mode (it fails at once) and
+    behind a proxy (a direct probe would not tell)."""
+    offline = os.environ.get("HF_DATASETS_OFFLINE") or os.environ.get("HF_HUB_OFFLINE")
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    if (offline and offline != "0") or any(os.environ.get(p) for p in proxies):
+        return ""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as err:
+        return hub_error(name, f"cannot reach {endpoint.hostname}:{port} ({err})")
+    return ""
+
+
+def hub_error(name: str, why: str) -> str:
+    """The one-line failure for a Hugging Face dataset that cannot be streamed, with the fixes."""
+    return (
+        f"Hugging Face dataset {name!r} cannot be streamed: {why}. Without network access, set "
+        "HF_DATASETS_OFFLINE=1 to read a cached copy, or save the dataset as .jsonl/.parquet "
+        "files and set [training] dataset = 'local' and dataset_path to them"
+    )
 
 
 class HubDocuments:
-    """A Hugging Face dataset, streamed in its own order (needs network access)."""
+    """A Hugging Face dataset, streamed in its own order (needs network access, or a cached copy
+    with ``HF_DATASETS_OFFLINE=1``)."""
 
-    def __init__(self, name: str, split: str, text_field: str) -> None:
+    def __init__(self, name: str, split: str, text_field: str, *, skip_bad: bool = False) -> None:
+        if why := hub_unreachable(name):
+            raise ValueError(why)
         from datasets import load_dataset  # slow to import, and only hub datasets need it
 
         self.description = f"Hugging Face dataset {name!r} split {split!r}"
-        self.dataset = load_dataset(name, split=split, streaming=True)
+        try:
+            self.dataset = load_dataset(name, split=split, streaming=True)
+        except Exception as err:  # datasets raises several kinds; each one becomes this line
+            raise ValueError(hub_error(name, f"{type(err).__name__}: {err}")) from err
         self.text_field = text_field
+        self.skip_bad = skip_bad
 
     def __iter__(self) -> Iterator[str]:
-        for i, example in enumerate(self.dataset):
-            text = _field_of(example, self.text_field, f"{self.description} example {i}")
-            if text.strip():
-                yield text
+        records = (
+            _field_record(example, self.text_field, f"{self.description} example {i}")
+            for i, example in enumerate(self.dataset)
+        )
+        return good_texts(records, self.skip_bad)
+
+
+def _hash_document(hasher: Any, text: str) -> None:
+    """Add one document to a running hash: its length first, so boundaries count too."""
+    data = text.encode("utf-8")
+    hasher.update(len(data).to_bytes(8, "little"))
+    hasher.update(data)
+
+
+def documents_digest(documents: Iterable[str], count: int) -> tuple[int, str]:
+    """How many of the first ``count`` documents exist, and the SHA-256 the loader's state holds
+    after reading them (``PackedTextLoader.read_state``)."""
+    hasher, read = hashlib.sha256(), 0
+    for text in documents:
+        if read == count:
+            break
+        _hash_document(hasher, text)
+        read += 1
+    return read, hasher.hexdigest()
 
 
 class PackedTextLoader:
@@ -213,6 +346,7 @@ class PackedTextLoader:
         dp_rank: int,
         dp_world_size: int,
         split: str = "train",
+        skip_bad_records: bool = False,
     ) -> None:
         sizes = {"seq_len": seq_len, "batch_size": batch_size, "dp_world_size": dp_world_size}
         for name, value in sizes.items():
@@ -228,12 +362,14 @@ class PackedTextLoader:
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.tokenizer = tokenizer
         self.documents: LocalDocuments | HubDocuments = (
-            LocalDocuments(dataset_path, text_field)
+            LocalDocuments(dataset_path, text_field, skip_bad=skip_bad_records)
             if dataset == "local"
-            else HubDocuments(dataset, split, text_field)
+            else HubDocuments(dataset, split, text_field, skip_bad=skip_bad_records)
         )
         # Position of the next token: `offset` tokens of global document `document` are used.
         self._epoch, self._document, self._offset = 0, 0, 0
+        # Documents of this epoch read so far (every rank reads them all) and their hash.
+        self._read, self._hasher = 0, hashlib.sha256()
 
     def check_first_document(self) -> None:
         """Read (and tokenize) this rank's first document now, so an empty corpus or a bad first
@@ -243,13 +379,17 @@ class PackedTextLoader:
     def _rank_documents(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, global index, packed tokens) of this rank's documents from ``start`` on, forever.
 
-        Skipping to ``start`` re-reads the documents before it but tokenizes none of them.
+        Skipping to ``start`` re-reads (and hashes) the documents before it but tokenizes none of
+        them.
         """
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
         while True:
-            index = start - 1
-            for index, text in enumerate(itertools.islice(self.documents, start, None), start):
-                if index % self.dp_world_size == self.dp_rank:
+            index = -1
+            self._read, self._hasher = 0, hashlib.sha256()
+            for index, text in enumerate(self.documents):
+                _hash_document(self._hasher, text)
+                self._read = index + 1
+                if index >= start and index % self.dp_world_size == self.dp_rank:
                     yield epoch, index, [bos, *self.tokenizer.encode(text), eos]
             if start == 0 and index < self.dp_rank:
                 raise ValueError(
@@ -281,7 +421,13 @@ class PackedTextLoader:
             rows = torch.tensor(window, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
             yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
-    def state_dict(self) -> dict[str, int]:
+    def read_state(self) -> dict[str, Any]:
+        """What this rank has read of the current epoch: the epoch, how many documents (every
+        rank reads all of them, up to its own position) and their SHA-256 (``documents_digest``
+        recomputes it from the data, to tell whether the data changed)."""
+        return {"epoch": self._epoch, "documents": self._read, "sha256": self._hasher.hexdigest()}
+
+    def state_dict(self) -> dict[str, Any]:
         """Where the next batch starts; the dp geometry is kept to refuse a mismatched resume."""
         return {
             "epoch": self._epoch,
@@ -289,6 +435,7 @@ class PackedTextLoader:
             "offset": self._offset,
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
+            "read": self.read_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:

@@ -12,6 +12,10 @@
 own config.json (token ids, ...), with the trained shape and RoPE written over them, and the
 tokenizer files are copied. ``--to dcp`` reads the shape from the source's config.json.
 
+TARGET must be new or empty: a folder that holds anything is refused, naming what is there.
+``--overwrite`` replaces the files convert writes and keeps everything else. The output is written
+to a hidden sibling of TARGET and moved into place when complete.
+
 Conversion runs in one process on the CPU and holds the whole model in float32 host memory
 (32 GiB for 8B). At the end of a training run, ``[checkpoint] last_save_in_hf = true`` writes the
 same Hugging Face folder from the sharded model, each rank writing its own shards.
@@ -25,13 +29,15 @@ from pathlib import Path
 
 import torch
 
+from upipe_dtensor.checkpointing.outputs import kept_note, refuse_nonempty
 from upipe_dtensor.checkpointing.weights import (
+    check_safetensors,
     load_dcp_weights,
     load_hf_weights,
     save_dcp_weights,
     save_hf_weights,
 )
-from upipe_dtensor.config import ConfigError, parse_args
+from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, parse_args
 from upipe_dtensor.jobs.parallelize import DTYPES
 from upipe_dtensor.models.hf_config import args_from_hf, model_args, read_hf_config
 from upipe_dtensor.models.llama3 import Llama3, Llama3Args
@@ -44,7 +50,9 @@ def _empty_model(args: Llama3Args) -> Llama3:
     return model.to_empty(device="cpu")
 
 
-def to_hf(source: str, target: str, argv: list[str], dtype: str | None) -> str:
+def to_hf(
+    source: str, target: str, argv: list[str], dtype: str | None, *, overwrite: bool = False
+) -> str:
     """A DCP snapshot or model-only checkpoint -> a Hugging Face folder."""
     config = parse_args(argv)
     if config.config_file is None and not any(a.startswith("--model.flavor") for a in argv):
@@ -62,18 +70,19 @@ def to_hf(source: str, target: str, argv: list[str], dtype: str | None) -> str:
         )
     model = _empty_model(args)
     load_dcp_weights(model, source)
-    save_hf_weights(
+    kept = save_hf_weights(
         model,
         args,
         target,
         dtype=DTYPES[dtype or config.checkpoint.export_dtype],
         base_folder=config.model.hf_assets_path,
         tokenizer_folder=config.model.tokenizer_folder,
+        overwrite=overwrite,
     )
-    return f"wrote the Hugging Face model to {target}"
+    return f"wrote the Hugging Face model to {target}{kept_note(kept, 'convert')}"
 
 
-def to_dcp(source: str, target: str) -> str:
+def to_dcp(source: str, target: str, *, overwrite: bool = False) -> str:
     """A Hugging Face folder -> a model-only DCP checkpoint."""
     try:
         args = args_from_hf(read_hf_config(source), f"{source}/config.json")
@@ -81,27 +90,44 @@ def to_dcp(source: str, target: str) -> str:
         raise ConfigError(str(err)) from err
     if not any(Path(source).glob("*.safetensors")):
         raise ConfigError(f"{source} holds no *.safetensors weights")
+    try:
+        check_safetensors(source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     model = _empty_model(args)
     load_hf_weights(model, args, source)
-    save_dcp_weights(model, target)
+    kept = save_dcp_weights(model, target, overwrite=overwrite)
     return (
-        f"wrote a model-only DCP checkpoint to {target}; train from it with [checkpoint] "
-        f"initial_load_path = {target!r} (and [model] flavor = 'hf', hf_assets_path = {source!r})"
+        f"wrote a model-only DCP checkpoint to {target}{kept_note(kept, 'convert')}; train from "
+        f"it with [checkpoint] initial_load_path = {target!r} (and [model] flavor = 'hf', "
+        f"hf_assets_path = {source!r})"
     )
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=OVERRIDES_HELP,
+    )
     parser.add_argument(
         "source", help="snapshot folder (--to hf) or Hugging Face folder (--to dcp)"
     )
-    parser.add_argument("target", help="folder to write")
+    parser.add_argument("target", help="folder to write: new or empty (see --overwrite)")
     parser.add_argument("--to", required=True, choices=["hf", "dcp"], help="output format")
+    parser.add_argument(
+        "--config", help="--to hf: the job .toml that wrote the snapshot (its model shape)"
+    )
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default=None,
         help="weight dtype of a Hugging Face export (default: [checkpoint] export_dtype)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty TARGET: replace the files convert writes, keep the rest",
     )
     args, rest = parser.parse_known_args(argv)
     with warnings.catch_warnings():  # one process, no process group: DCP warns on each call
@@ -110,10 +136,22 @@ def main(argv: list[str]) -> int:
 
 
 def _convert(args: argparse.Namespace, rest: list[str]) -> None:
+    if not args.overwrite:  # before anything is read: a mistyped target costs nothing
+        refuse_nonempty(
+            Path(args.target),
+            "pass --overwrite to replace the files convert writes (everything else there is "
+            "kept), or choose a new folder",
+        )
     if args.to == "hf":
-        message = to_hf(args.source, args.target, rest, args.dtype)
+        config = ["--config", args.config] if args.config else []
+        message = to_hf(
+            args.source, args.target, [*config, *rest], args.dtype, overwrite=args.overwrite
+        )
     else:
-        if rest:
-            raise ConfigError(f"--to dcp reads everything from {args.source}; unexpected {rest}")
-        message = to_dcp(args.source, args.target)
+        if rest or args.config:
+            unexpected = [*(["--config", args.config] if args.config else []), *rest]
+            raise ConfigError(
+                f"--to dcp reads everything from {args.source}; unexpected {unexpected}"
+            )
+        message = to_dcp(args.source, args.target, overwrite=args.overwrite)
     print(message)

@@ -19,9 +19,12 @@ order with the CP style's ``shard_positions``.
 The last stdout line is one JSON object:
 ``{"loss": mean cross-entropy of every predicted token (position t predicts token t+1, t = 0..S-2,
 all rows), "predicted_tokens": N * (S - 1), "loss_by_position": {"lo-hi": mean loss of positions
-lo..hi}}`` with buckets 0, 1, 2-3, 4-7, ... (powers of two). A PNG of loss against position is
-written to [job] dump_folder: the curve to look at after context extension (does the loss keep
-falling with more context?).
+lo..hi}}`` with buckets 0, 1, 2-3, 4-7, ... (powers of two). The same object (with the weights
+and mask) and a PNG of loss against position are written to [job] dump_folder as
+``loss_by_position_{tokens}_{weights}_{mask}.json`` / ``.png``, where weights is the snapshot
+(``step-N``) or the initial weights (``hf``, ``dcp``): the curve to look at after context
+extension (does the loss keep falling with more context?), with the "before" and "after" runs
+side by side. An existing output is refused before any heavy work unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.checkpointing.snapshots import choose_snapshot, snapshot_candidates
 from upipe_dtensor.checkpointing.weights import initial_load_folder, load_dcp_weights
-from upipe_dtensor.config import ConfigError, JobConfig, parse_args
+from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, JobConfig, parse_args
 from upipe_dtensor.jobs.build import (
     ParallelModel,
     build_parallel_model,
@@ -47,7 +51,13 @@ from upipe_dtensor.jobs.build import (
 )
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
+from upipe_dtensor.runtime.collectives import on_rank0
 from upipe_dtensor.runtime.errors import run_main
+
+OUTPUT_FIX = (
+    "an earlier run on the same tokens, weights and mask wrote it: pass --overwrite to replace "
+    "it, or move it away"
+)
 
 
 def read_tokens(path: str) -> torch.Tensor:
@@ -86,6 +96,28 @@ def load_eval_weights(built: ParallelModel, snapshot: Path | None) -> str:
         load_dcp_weights(built.model, str(snapshot))
         return f"snapshot {snapshot}"
     return load_initial_weights(built)
+
+
+def load_job_model(config: JobConfig) -> tuple[ParallelModel, Path | None, str]:
+    """The job's model, built and parallelised as train.py builds it, with the weights a resuming
+    job would take: (model, the snapshot or None for the initial weights, a description).
+    ConfigError, before any process group, when there are no weights at all."""
+    folder = Path(config.job.dump_folder) / config.checkpoint.folder
+    candidates = snapshot_candidates(config, folder)  # folder names only: no process group yet
+    if not candidates and not initial_load_folder(config):
+        raise ConfigError(
+            f"{config.config_file}: no weights to evaluate: no snapshot in {folder} and no "
+            "[checkpoint] initial_load_path; train first, or set initial_load_path (with "
+            "initial_load_in_hf for a Hugging Face folder)"
+        )
+    setup = set_up_job(config)
+    snapshot = (
+        choose_snapshot(folder, candidates, explicit=config.checkpoint.load_step != -1, job=None)
+        if candidates
+        else None
+    )
+    built = build_parallel_model(config, setup)
+    return built, snapshot, load_eval_weights(built, snapshot)
 
 
 @torch.no_grad()
@@ -175,16 +207,85 @@ def plot_loss_by_position(
     plt.close(figure)
 
 
+def weights_tag(config: JobConfig, snapshot: Path | None) -> str:
+    """The weights in an output's name: the snapshot (``step-N``), else the initial weights."""
+    if snapshot is not None:
+        return snapshot.name
+    return "hf" if config.checkpoint.initial_load_in_hf else "dcp"
+
+
+def mask_tag(config: JobConfig) -> str:
+    """The mask in an output's name: [training] attention_mask (and per-document positions)."""
+    training = config.training
+    positions = "-document-positions" if training.position_ids == "document" else ""
+    return f"{training.attention_mask}{positions}"
+
+
+def output_paths(config: JobConfig, tokens_file: str, snapshot: Path | None) -> tuple[Path, Path]:
+    """This run's plot and JSON: named by the tokens, the weights and the mask, so runs on other
+    weights or another mask never write the same file."""
+    name = f"loss_by_position_{Path(tokens_file).stem}_{weights_tag(config, snapshot)}"
+    folder = Path(config.job.dump_folder)
+    return folder / f"{name}_{mask_tag(config)}.png", folder / f"{name}_{mask_tag(config)}.json"
+
+
+def write_outputs(paths: tuple[Path, Path], record: dict, plot, *, overwrite: bool) -> None:
+    """The JSON ``record`` and the plot (``plot(path)`` draws it), each written under a temporary
+    name and renamed into place; an existing file is replaced only with ``overwrite``."""
+    picture, result = paths
+    with writing_file(result, overwrite=overwrite) as temporary:
+        temporary.write_text(json.dumps(record, indent=1) + "\n")
+    with writing_file(picture, overwrite=overwrite) as temporary:
+        plot(temporary)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from upipe_dtensor.jobs import retrieval  # it imports load_job_model from this module
+
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=OVERRIDES_HELP,
+    )
     parser.add_argument("--config", required=True, help="job .toml (the one trained with)")
-    parser.add_argument("--tokens", required=True, help=".npy integer array (N, S) of token ids")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace this run's plot and JSON if they exist"
+    )
+    parser.add_argument("--tokens", help=".npy integer array (N, S) of token ids")
+    parser.add_argument(
+        "--task",
+        choices=sorted(retrieval.TASKS),
+        help="retrieval at every depth and length instead of loss by position (jobs/retrieval.py)",
+    )
+    parser.add_argument("--lengths", help="--task: total tokens, e.g. 128K,1M (default: seq_len)")
+    parser.add_argument("--depths", default=retrieval.DEFAULT_DEPTHS, help="--task: needle depths")
+    parser.add_argument("--haystack", help="--task: .txt/.jsonl/.parquet (default: the job's data)")
+    parser.add_argument("--samples", type=int, default=1, help="--task: prompts per cell")
+    parser.add_argument("--digits", type=int, help="--task: value digits (default 5 / needle 7)")
     args, overrides = parser.parse_known_args(argv)
-    return run_main(lambda: evaluate(args.config, args.tokens, overrides))
+    if args.task:
+        if args.tokens:
+            parser.error("--tokens and --task are separate evaluations; pass one of them")
+        request = retrieval.TaskRequest(
+            args.task,
+            args.lengths,
+            args.depths,
+            args.haystack,
+            args.samples,
+            args.digits,
+            args.overwrite,
+        )
+        return run_main(lambda: retrieval.evaluate_task(args.config, request, overrides))
+    if not args.tokens:
+        parser.error("the following arguments are required: --tokens (or --task needle|passkey)")
+    return run_main(lambda: evaluate(args.config, args.tokens, overrides, overwrite=args.overwrite))
 
 
-def evaluate(config_file: str, tokens_file: str, overrides: list[str]) -> None:
-    """Evaluate the job's weights on ``tokens_file``; rank 0 prints the JSON result line."""
+def evaluate(
+    config_file: str, tokens_file: str, overrides: list[str], *, overwrite: bool = False
+) -> None:
+    """Evaluate the job's weights on ``tokens_file``; rank 0 prints the JSON result line and
+    writes the plot and JSON (``output_paths``)."""
     tokens = read_tokens(tokens_file)
     config = parse_args(["--config", config_file, *overrides])
     cp = config.parallelism.context_parallel_degree
@@ -204,34 +305,33 @@ def evaluate(config_file: str, tokens_file: str, overrides: list[str]) -> None:
             f"the model's vocabulary [0, {vocab})"
         )
     folder = Path(config.job.dump_folder) / config.checkpoint.folder
-    candidates = snapshot_candidates(config, folder)  # folder names only: no process group yet
-    if not candidates and not initial_load_folder(config):
-        raise ConfigError(
-            f"{config.config_file}: no weights to evaluate: no snapshot in {folder} and no "
-            "[checkpoint] initial_load_path; train first, or set initial_load_path (with "
-            "initial_load_in_hf for a Hugging Face folder)"
-        )
-    setup = set_up_job(config)
-    snapshot = (
-        choose_snapshot(folder, candidates, explicit=config.checkpoint.load_step != -1, job=None)
-        if candidates
-        else None
-    )
-    built = build_parallel_model(config, setup)
-    source = load_eval_weights(built, snapshot)
+    newest = snapshot_candidates(config, folder)[:1]  # the snapshot to expect: no process group yet
+    expected = folder / f"step-{newest[0]}" if newest else None
+    if not overwrite:
+        refuse_existing(output_paths(config, tokens_file, expected), OUTPUT_FIX)
+    built, snapshot, source = load_job_model(config)
+    paths = output_paths(config, tokens_file, snapshot)
+    if not overwrite and snapshot != expected:  # fell back to an older snapshot
+        on_rank0(lambda: refuse_existing(paths, OUTPUT_FIX))
     rows, seq_len = tokens.shape
     sums = position_loss_sums(built, tokens)
     result = summarise(sums, rows)
     if dist.get_rank() == 0:
-        picture = Path(config.job.dump_folder) / f"loss_by_position_{Path(tokens_file).stem}.png"
-        plot_loss_by_position(
-            sums,
-            rows,
-            result,
-            picture,
-            f"{Path(tokens_file).name}: {rows} x {seq_len:,} tokens, cp {built.setup.cp}",
+        title = (
+            f"{Path(tokens_file).name}: {rows} x {seq_len:,} tokens, "
+            f"{weights_tag(config, snapshot)} weights, {mask_tag(config)} mask, cp {built.setup.cp}"
         )
-        print(f"evaluated {source} on {rows} x {seq_len} tokens; wrote {picture}", flush=True)
+        record = {**result, "weights": source, "mask": mask_tag(config), "tokens": tokens_file}
+        write_outputs(
+            paths,
+            record,
+            lambda path: plot_loss_by_position(sums, rows, result, path, title),
+            overwrite=overwrite,
+        )
+        print(
+            f"evaluated {source} on {rows} x {seq_len} tokens; wrote {paths[0]} and {paths[1]}",
+            flush=True,
+        )
         print(json.dumps(result), flush=True)
 
 

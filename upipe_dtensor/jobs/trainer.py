@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from upipe_dtensor.checkpointing.job_lock import JobLock
+from upipe_dtensor.checkpointing.manifest import read_manifest
+from upipe_dtensor.checkpointing.outputs import refuse_nonempty
 from upipe_dtensor.checkpointing.snapshots import (
     Checkpointer,
     choose_snapshot,
@@ -32,8 +34,15 @@ from upipe_dtensor.checkpointing.storage import (
     space_report,
 )
 from upipe_dtensor.checkpointing.weights import save_hf_weights
-from upipe_dtensor.config import ConfigError, JobConfig
-from upipe_dtensor.data.loader import PackedTextLoader
+from upipe_dtensor.config import ConfigError, JobConfig, check_job
+from upipe_dtensor.data.checks import (
+    BAD_RECORDS_FIX,
+    DataScan,
+    data_changes,
+    data_fingerprint,
+    scan_local_data,
+)
+from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
 from upipe_dtensor.jobs.build import (
     JobSetup,
     Placement,
@@ -41,10 +50,10 @@ from upipe_dtensor.jobs.build import (
     load_initial_weights,
     set_up_job,
 )
-from upipe_dtensor.jobs.parallelize import DTYPES, describe_cp_style
+from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, describe_cp_style
 from upipe_dtensor.models import flops_per_token
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
-from upipe_dtensor.runtime.collectives import on_every_rank, on_rank0
+from upipe_dtensor.runtime.collectives import gather_dicts, on_every_rank, on_rank0
 from upipe_dtensor.runtime.errors import JobError, JobStopped
 from upipe_dtensor.runtime.metrics import MetricsLogger
 from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
@@ -70,19 +79,26 @@ def lr_lambda(config: JobConfig):
 class Trainer:
     """Builds everything from a validated ``JobConfig``; ``train()`` runs the steps.
 
-    Everything that can be wrong with the job is found before the model is built: the config, the
-    tokenizer and the data (``ConfigError``), the dump folder (writable, not used by another job),
-    and the snapshot to resume from (a finished job raises ``JobComplete``; damaged snapshots are
-    reported and skipped; another data-parallel degree is refused).
+    Everything that can be wrong with the job is found before the model is built: the config and
+    every record of the local data (``ConfigError``, before any process group), the tokenizer,
+    the dump folder (writable, not used by another job, no earlier Hugging Face export where this
+    one goes), and the snapshot to resume from (a finished job raises ``JobComplete``; damaged
+    snapshots are reported and skipped; another data-parallel degree, or data that changed since
+    the snapshot, is refused).
     """
 
     def __init__(self, config: JobConfig, *, placement: Placement = Placement()) -> None:
         """By default the trainer picks its device (CUDA if present) and builds its meshes; the
         memory planner decides them with ``placement`` (see ``jobs.build.Placement``)."""
         self.config = config
+        # A real job checks its data first; the planner lays out fake ranks and reads no data.
+        scan = _check_before_process_group(config) if placement.meshes is None else None
         self.setup = setup = set_up_job(config, placement)
         self.device = setup.device
         self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
+        self.data_fingerprint = data_fingerprint(
+            self.dataloader.documents.description, scan.files if scan else None
+        )
         dump = Path(config.job.dump_folder)
         checkpoint_folder = dump / config.checkpoint.folder
         self.lock = _claim(config, dump, checkpoint_folder)
@@ -113,6 +129,8 @@ class Trainer:
             else None
         )
         self.start_step = int(self.resume_from.name.split("-")[1]) if self.resume_from else 0
+        if self.resume_from is not None:
+            on_every_rank(lambda: self._check_data_unchanged(self.resume_from))
 
         self.parallel = built = build_parallel_model(config, setup)
         self.model, self.cp_style, self.host_offload = (
@@ -145,6 +163,7 @@ class Trainer:
                 dataloader=self.dataloader,
                 dp_rank=setup.dp_rank,
                 job=job,
+                data=self._data_record,
             )
             self.checkpointer.snapshot_bytes = snapshot_bytes_estimate(self.model)
             report = on_rank0(
@@ -173,6 +192,39 @@ class Trainer:
             enabled=dist.get_rank() == 0,
             first_step=self.start_step + 1,
         )
+
+    def _data_record(self) -> dict:
+        """The fingerprint of the data consumed, for a snapshot's manifest (collective): the
+        files as the job found them and, per data-parallel rank, what it has read."""
+        read = gather_dicts({str(self.setup.dp_rank): self.dataloader.read_state()})
+        return {**self.data_fingerprint, "read": read}
+
+    def _check_data_unchanged(self, snapshot: Path) -> None:
+        """Refuse to resume on data other than the snapshot consumed (unless [checkpoint]
+        accept_data_change): the loader's position is a document index, which on other data
+        points elsewhere. Snapshots written before fingerprints existed are not checked."""
+        saved = (read_manifest(snapshot) or {}).get("data")
+        if saved is None:
+            return
+        changes = data_changes(
+            saved, self.data_fingerprint, self.setup.dp_rank, self.dataloader.documents
+        )
+        if not changes:
+            return
+        if not self.config.checkpoint.accept_data_change:
+            raise ConfigError(
+                f"the training data changed since snapshot {snapshot} was saved: {changes}. "
+                "Resuming would continue at the saved position on other data, in another order: "
+                "restore the data, or set [checkpoint] accept_data_change = true to resume on the "
+                "data as it is now, or set another [job] dump_folder to start over"
+            )
+        if dist.get_rank() == 0:
+            print(
+                f"WARNING: the training data changed since snapshot {snapshot} was saved: "
+                f"{changes}; resuming on it ([checkpoint] accept_data_change = true)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _saves_left(self) -> int:
         interval, steps = self.config.checkpoint.interval, self.config.training.steps
@@ -235,7 +287,8 @@ class Trainer:
         setup = self.setup
         ranks = f"{setup.world_size} rank{'s' * (setup.world_size != 1)}"
         return (
-            f"training {config.model.flavor}, seq_len {config.training.seq_len:,}, {style}, cp "
+            f"training {config.model.flavor}, seq_len {config.training.seq_len:,}, {style}, "
+            f"{setup.attention_backend} attention kernels, cp "
             f"{setup.cp} x dp {setup.dp} = {ranks} on {self.device.type}, steps "
             f"{self.start_step + 1}..{config.training.steps}, from {weights} "
             f"[{config.config_file or 'no config file'}: {config.job.description!r}]"
@@ -245,7 +298,8 @@ class Trainer:
         """Run to ``training.steps`` (resuming from the chosen snapshot); returns the losses.
 
         Stops with ``JobError`` on a non-finite loss or gradient norm (nothing is saved), and with
-        ``JobStopped`` after SIGTERM/SIGUSR1 (a snapshot is saved at the step boundary)."""
+        ``JobStopped`` after SIGTERM, SIGUSR1 or Ctrl-C (a snapshot is saved at the step
+        boundary; a second Ctrl-C exits at once, ``shutdown.StopRequests``)."""
         training = self.config.training
         tokens_per_step = (
             training.seq_len
@@ -266,6 +320,8 @@ class Trainer:
                 weights = load_initial_weights(self.parallel)
             if dist.get_rank() == 0:
                 print(self.describe(weights), flush=True)
+                if self.config.parallelism.ring_degree > 1:
+                    print(describe_rank_groups(self.setup.meshes), flush=True)
             batches = iter(self.dataloader)
             losses = []
             for step in range(start + 1, training.steps + 1):
@@ -330,6 +386,19 @@ class Trainer:
             self.lock = None
 
 
+def describe_rank_groups(meshes: ParallelMeshes) -> str:
+    """The 2D layout in global ranks, for the start-up log: the head groups (all-to-all) should
+    each be one node's ranks and every ring group should join the nodes; torchrun numbers ranks
+    node by node, so a wrong launch shows here."""
+    ranks = meshes.world.mesh  # (dp_shard, cp_ring, cp_heads) global ranks
+    dp, ring, heads = ranks.shape
+    return (
+        f"mesh dp_shard {dp} x cp_ring {ring} x cp_heads {heads}: head groups (all-to-all, "
+        f"inside a node) {ranks.flatten(0, 1).tolist()}, ring groups (across nodes) "
+        f"{ranks.transpose(1, 2).flatten(0, 1).tolist()}"
+    )
+
+
 def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
     """The data loader, after reading up to this rank's first document: an empty corpus or a bad
     first record is a ConfigError now, not a traceback after the model is built."""
@@ -344,12 +413,57 @@ def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
             batch_size=training.local_batch_size,
             dp_rank=setup.dp_rank,
             dp_world_size=setup.dp,
+            skip_bad_records=training.skip_bad_records,
         )
         loader.check_first_document()
     except ValueError as err:
         keys = ("training.dataset", "training.dataset_path", "training.dataset_text_field")
         raise ConfigError(f"{config.source_of(*keys)}: [training] data: {err}") from err
     return loader
+
+
+def _check_before_process_group(config: JobConfig) -> DataScan | None:
+    """The config, the outputs, then the data, before any process group: mistakes that take no
+    reading first, then every local record (``_check_data``)."""
+    world_size = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    )
+    check_job(config, world_size)
+    if config.checkpoint.last_save_in_hf:
+        folder = Path(config.job.dump_folder) / config.checkpoint.folder
+        refuse_nonempty(
+            folder / f"step-{config.training.steps}-hf",
+            "the Hugging Face export after the last step goes there and replaces nothing it did "
+            "not write: move it away, or set [checkpoint] last_save_in_hf = false",
+        )
+    return _check_data(config)
+
+
+def _check_data(config: JobConfig) -> DataScan | None:
+    """Every record of the local training data, read once: bad records are a ConfigError naming
+    the first few by file and line, or, with [training] skip_bad_records, skipped and counted in
+    a warning. A Hugging Face dataset is only probed: an unreachable Hub fails in seconds."""
+    training = config.training
+    where = config.source_of(
+        "training.dataset", "training.dataset_path", "training.dataset_text_field"
+    )
+    try:
+        if training.dataset != "local":
+            if why := hub_unreachable(training.dataset):
+                raise ValueError(why)
+            return None
+        scan = scan_local_data(training.dataset_path, training.dataset_text_field)
+    except ValueError as err:
+        raise ConfigError(f"{where}: [training] data: {err}") from err
+    if scan.bad_count and not training.skip_bad_records:
+        raise ConfigError(f"{where}: [training] data: {scan.bad_summary()}; {BAD_RECORDS_FIX}")
+    if scan.bad_count and os.environ.get("RANK", "0") == "0":
+        print(
+            f"WARNING: skipping {scan.bad_summary()} ([training] skip_bad_records = true)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return scan
 
 
 def _claim(config: JobConfig, dump: Path, checkpoint_folder: Path) -> JobLock | None:

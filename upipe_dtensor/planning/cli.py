@@ -9,10 +9,13 @@
 
 Any ``--section.key value`` overrides the recipe as in train.py. ``--sweep seq_len`` finds, for
 each CP style, the longest context that fits both budgets (``length_search``) and writes
-``sweep.csv`` and ``sweep.png`` to ``--out``. ``--max-context`` also searches the settings (U,
-sequence chunks, FSDP CPU offload, tile sizes, block-input prefetch; ``max_context``) and prints a
-recipe for the longest context with its plan. See ``upipe_dtensor.planning.step`` for what is
-modelled.
+``sweep.csv`` and ``sweep.png`` (device and host panels) to ``--out``; existing ones are refused
+unless ``--overwrite``. Every answer says which memory binds: "does not fit (host memory)".
+A budget below what any step needs before its first activation (CUDA's fixed allowances, the
+model states) is refused in seconds, before any search (``floor``). ``--max-context`` also
+searches the settings (U, sequence chunks, FSDP CPU offload, tile sizes, block-input prefetch;
+``max_context``) and prints a recipe for the longest context with its plan. See
+``upipe_dtensor.planning.step`` for what is modelled.
 """
 
 from __future__ import annotations
@@ -21,15 +24,23 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from upipe_dtensor.config import CP_STYLES, JobConfig, parse_args
+from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
+from upipe_dtensor.config import CP_STYLES, OVERRIDES_HELP, JobConfig, parse_args
+from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
-from upipe_dtensor.planning.max_context import KNOB_NAMES, find_max_context, recipe_toml
+from upipe_dtensor.planning.max_context import (
+    KNOB_NAMES,
+    find_max_context,
+    limit_of,
+    recipe_toml,
+)
 from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
 from upipe_dtensor.runtime.errors import run_main
 
@@ -63,8 +74,7 @@ def longest_context(
         plan = plan_job(_with(config, seq_len=seq_len, cp_style=cp_style), budget, world_size)
         log(
             f"  {cp_style:8s} {seq_len:>12,} tokens: {plan.device_peak_bytes / GiB:7.2f} GiB "
-            f"device, {plan.host_per_node_bytes / GiB:8.1f} GiB host/node -> "
-            f"{'fits' if plan.fits else 'does not fit'}"
+            f"device, {plan.host_per_node_bytes / GiB:8.1f} GiB host/node -> {plan.verdict}"
         )
         return plan
 
@@ -73,12 +83,39 @@ def longest_context(
     )
 
 
-def write_sweep(out: Path, results: dict[str, tuple[int, list[Plan]]], budget: Budget) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "sweep.csv", "w", newline="") as handle:
+SWEEP_FILES = ("sweep.csv", "sweep.png")
+
+
+def write_sweep(
+    out: Path,
+    results: dict[str, tuple[int, list[Plan]]],
+    budget: Budget,
+    title: str,
+    *,
+    overwrite: bool = False,
+) -> None:
+    """``sweep.csv`` (every plan, with which memory it exceeds) and ``sweep.png`` in ``out``,
+    each written under a temporary name and renamed into place."""
+    with writing_file(out / "sweep.csv", overwrite=overwrite) as temporary:
+        _write_sweep_csv(temporary, results)
+    with writing_file(out / "sweep.png", overwrite=overwrite) as temporary:
+        plot_sweep(temporary, results, budget, title)
+
+
+def _write_sweep_csv(path: Path, results: dict[str, tuple[int, list[Plan]]]) -> None:
+    with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(
-            ["cp_style", "seq_len", "device_peak_gib", "host_per_node_gib", "fits", "max_seq_len"]
+            [
+                "cp_style",
+                "seq_len",
+                "device_peak_gib",
+                "host_per_node_gib",
+                "fits",
+                "exceeds",
+                "max_seq_len",
+                "limited_by",
+            ]
         )
         for style, (best, plans) in results.items():
             for plan in sorted(plans, key=lambda p: p.seq_len):
@@ -89,33 +126,57 @@ def write_sweep(out: Path, results: dict[str, tuple[int, list[Plan]]], budget: B
                         f"{plan.device_peak_bytes / GiB:.3f}",
                         f"{plan.host_per_node_bytes / GiB:.1f}",
                         plan.fits,
+                        plan.exceeds,
                         best,
+                        limit_of(best, plans),
                     ]
                 )
 
+
+def plot_sweep(
+    path: Path, results: dict[str, tuple[int, list[Plan]]], budget: Budget, title: str
+) -> None:
+    """Peak device memory per GPU and host memory per node against context length, one curve per
+    style, each panel with its budget: a curve that stops below the GPU line is host-bound, and
+    its legend says so."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, (device, host) = plt.subplots(1, 2, figsize=(12, 4.5))
     for style, (best, plans) in results.items():
-        points = sorted((p.seq_len, p.device_peak_bytes / GiB) for p in plans)
-        axes.plot(
-            [s / 2**20 for s, _ in points],
-            [g for _, g in points],
-            marker="o",
-            label=f"{style} (max {best / 2**20:.2f}M tokens)",
+        points = sorted(plans, key=lambda p: p.seq_len)
+        tokens = [p.seq_len / 2**20 for p in points]
+        limit = limit_of(best, plans)
+        label = f"{style} (max {best / 2**20:.2f}M" + (f", {limit} binds)" if limit else ")")
+        (line,) = device.plot(
+            tokens, [p.device_peak_bytes / GiB for p in points], marker="o", label=label
         )
-    axes.axhline(budget.device_bytes / GiB, color="red", linestyle="--", label="device budget")
-    axes.set_xlabel("context length (M tokens)")
-    axes.set_ylabel("planned peak device memory per GPU (GiB)")
-    axes.set_title("Planner: peak memory vs context length")
-    axes.grid(alpha=0.3)
-    axes.legend()
+        host_gib = [p.host_per_node_bytes / GiB for p in points]
+        host.plot(tokens, host_gib, marker="o", color=line.get_color(), label=style)
+    for axes, limit, what in (
+        (device, budget.device_bytes, "peak device memory per GPU (GiB)"),
+        (host, budget.host_bytes_per_node, "host memory per node (GiB)"),
+    ):
+        axes.axhline(limit / GiB, color="red", linestyle="--", label="budget")
+        axes.set_xlabel("context length (M tokens)")
+        axes.set_ylabel(what)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(out / "sweep.png", dpi=120)
+    figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def sweep_title(config: JobConfig, world_size: int, budget: Budget) -> str:
+    """The plot's title: the model, the GPUs and both memory budgets."""
+    return (
+        f"Planner: {config.model.flavor} on {world_size} GPUs, {budget.device_bytes / GiB:g} GiB "
+        f"each, {budget.host_bytes_per_node / GiB:g} GiB host per node "
+        f"({budget.gpus_per_node} GPUs per node)"
+    )
 
 
 def _positive(kind: type) -> Callable[[str], Any]:
@@ -126,6 +187,8 @@ def _positive(kind: type) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{text} must be > 0")
         return value
@@ -164,8 +227,9 @@ _knobs = _names("setting", KNOB_NAMES, "heads_per_stage,fsdp_cpu_offload")
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        epilog="Any other --section.key value overrides that key of the job file, as in train.py.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=OVERRIDES_HELP,
     )
     parser.add_argument("--config", required=True, help="job or recipe .toml")
     parser.add_argument(
@@ -213,6 +277,9 @@ def main(argv: list[str]) -> int:
         "--sweep, one step of 1024 tokens per GPU for --max-context)",
     )
     parser.add_argument("--out", default="outputs/plan", help="folder for sweep.csv and sweep.png")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="--sweep: replace an existing sweep.csv/png"
+    )
     args, overrides = parser.parse_known_args(argv)
     for arg in overrides:
         if arg.startswith("-") and "." not in arg.split("=", 1)[0]:
@@ -234,6 +301,50 @@ def main(argv: list[str]) -> int:
         gpus_per_node=args.gpus_per_node,
     )
     return run_main(lambda: _answer(args, argv, overrides, styles, budget))
+
+
+def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
+    """The longest context per style, printed (which memory binds each) and written to --out."""
+    out = Path(args.out)
+    if not args.overwrite:  # before the search: it may take minutes
+        refuse_existing(
+            [out / name for name in SWEEP_FILES],
+            "pass --overwrite to replace it, or choose another --out folder",
+        )
+    world_size = args.world_size or config.parallelism.world_size
+    for style in styles:
+        start = _with(config, seq_len=config.training.seq_len, cp_style=style)
+        refuse_impossible(start, world_size, budget, (config.training.enable_cpu_offload,))
+    log = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
+    resolution = 0.03 if args.resolution is None else args.resolution
+    results = {
+        style: longest_context(config, style, budget, args.world_size, log, resolution)
+        for style in styles
+    }
+    write_sweep(
+        out, results, budget, sweep_title(config, world_size, budget), overwrite=args.overwrite
+    )
+    summary = {style: best for style, (best, _) in results.items()}
+    limits = {style: limit_of(best, plans) for style, (best, plans) in results.items()}
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "max_seq_len": summary,
+                    "limited_by": limits,
+                    "budget": dataclasses.asdict(budget),
+                }
+            )
+        )
+        return
+    print(
+        f"longest context that fits ({args.device_memory_gib:g} GiB/GPU, "
+        f"{args.host_memory_gib:g} GiB host/node):"
+    )
+    for style, best in summary.items():
+        binds = f", {limits[style]} binds" if limits[style] else ""
+        print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M{binds})")
+    print(f"wrote {out / SWEEP_FILES[0]} and {out / SWEEP_FILES[1]}")
 
 
 def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budget: Budget) -> None:
@@ -261,24 +372,7 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
         )
         return
     if args.sweep:
-        log = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
-        resolution = 0.03 if args.resolution is None else args.resolution
-        results = {
-            style: longest_context(config, style, budget, args.world_size, log, resolution)
-            for style in styles
-        }
-        write_sweep(Path(args.out), results, budget)
-        summary = {style: best for style, (best, _) in results.items()}
-        if args.json:
-            print(json.dumps({"max_seq_len": summary, "budget": dataclasses.asdict(budget)}))
-        else:
-            print(
-                f"longest context that fits ({args.device_memory_gib:g} GiB/GPU, "
-                f"{args.host_memory_gib:g} GiB host/node):"
-            )
-            for style, best in summary.items():
-                print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M)")
-            print(f"wrote {args.out}/sweep.csv and {args.out}/sweep.png")
+        _sweep(args, config, styles, budget)
         return
     plan = plan_job(config, budget, args.world_size)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())

@@ -57,6 +57,7 @@ from typing import Any
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
+from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
 from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
 
@@ -253,6 +254,9 @@ class MaxContext:
     not_searched: dict[str, str]
     plans: list[tuple[dict[str, Any], Plan]] = field(default_factory=list)
     seconds: float = 0.0
+    limited_by: str = ""
+    """What stops a longer context: "device memory", "host memory" or both (``Plan.exceeds`` of
+    the shortest plan found not to fit)."""
 
     @property
     def seq_len(self) -> int:
@@ -265,6 +269,7 @@ class MaxContext:
             "not_searched": self.not_searched,
             "recipe_toml": recipe_toml(self, command),
             "plan": self.plan.as_dict(),
+            "limited_by": self.limited_by,
             "plans": [
                 {
                     "seq_len": p.seq_len,
@@ -272,6 +277,7 @@ class MaxContext:
                     "device_peak_bytes": p.device_peak_bytes,
                     "host_per_node_bytes": p.host_per_node_bytes,
                     "fits": p.fits,
+                    "exceeds": p.exceeds,
                 }
                 for s, p in self.plans
             ],
@@ -339,7 +345,7 @@ def find_max_context(
             f"  {seq_len:>12,} tokens, {describe(settings, chosen) or 'recipe settings'}: "
             f"{plan.device_peak_bytes / GiB:7.2f} GiB device, "
             f"{plan.host_per_node_bytes / GiB:8.1f} GiB "
-            f"host/node -> {'fits' if plan.fits else 'does not fit'}"
+            f"host/node -> {plan.verdict}"
         )
         return plan
 
@@ -356,6 +362,10 @@ def find_max_context(
     settings = {knob.name: knob.values[0] for knob in chosen}
     start = max(granule, start // granule * granule)
     check_job(configured(settings, start), world_size)  # bad geometry fails before any plan
+    offload = next((k.values for k in chosen if k.name == "fsdp_cpu_offload"), None)
+    refuse_impossible(
+        base, world_size, budget, offload or (base.training.enable_cpu_offload,)
+    )  # a budget below the memory floor fails in seconds, not after a search
     first = plan_at(settings, start)
     chunks = next((knob for knob in chosen if knob.name == "sequence_chunks"), None)
     while chunks is not None and settings[chunks.name] != chunks.values[-1]:
@@ -373,10 +383,7 @@ def find_max_context(
             break
         settings, first = fewer, trial
     best, plans = longest(settings, first)
-    above = [p for p in plans if p.seq_len > best and not p.fits]
-    host_bound = (
-        above and min(above, key=lambda p: p.seq_len).device_peak_bytes <= budget.device_bytes
-    )
+    host_bound = limit_of(best, plans) == "host memory"
     # The settings that trade device memory for host memory, switched the other way.
     trade, why = (
         ("fsdp_cpu_offload", "host memory: searching again without FSDP CPU offload")
@@ -412,7 +419,15 @@ def find_max_context(
         not_searched,
         history,
         time.perf_counter() - started,
+        limit_of(best, plans),
     )
+
+
+def limit_of(best: int, plans: list[Plan]) -> str:
+    """What stops a context longer than ``best``: ``Plan.exceeds`` of the shortest plan above it
+    that does not fit ("" if none was made)."""
+    above = [p for p in plans if p.seq_len > best and not p.fits]
+    return min(above, key=lambda p: p.seq_len).exceeds if above else ""
 
 
 def _toml_value(value: Any) -> str:
@@ -462,7 +477,8 @@ def recipe_toml(result: MaxContext, command: str) -> str:
         f"{budget.host_bytes_per_node / GiB:g} GiB host RAM per node: {plan.seq_len:,} tokens "
         f"({plan.seq_len / 2**20:.2f}M), {plan.attention}.",
         f"Planner: peak {plan.device_peak_bytes / GiB:.2f} GiB per GPU ({plan.device_peak_when}), "
-        f"host {plan.host_per_node_bytes / GiB:,.1f} GiB per node.",
+        f"host {plan.host_per_node_bytes / GiB:,.1f} GiB per node"
+        + (f"; a longer context exceeds {result.limited_by}." if result.limited_by else "."),
         f"Found by: {command} ({len(result.plans)} plans, {result.seconds / 60:.1f} min).",
         "Searched, most memory-saving first: "
         + "; ".join(f"{k.name} {', '.join(k.show(v) for v in k.values)}" for k in result.searched)

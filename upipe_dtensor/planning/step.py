@@ -16,7 +16,6 @@ flash-attn's backward workspace is allocated in the fake step where the kernel w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -30,7 +29,6 @@ from upipe_dtensor.config import JobConfig, check_job
 from upipe_dtensor.jobs.build import Placement
 from upipe_dtensor.jobs.parallelize import build_meshes, describe_cp_style
 from upipe_dtensor.jobs.trainer import Trainer
-from upipe_dtensor.kernels.attention import planning_cuda_workspaces
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.parallel.projections import forget_head_indices
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker
@@ -57,8 +55,9 @@ class CudaAllowances:
     - ``fragmentation``: caching-allocator rounding (512-byte blocks, 2 MiB pages) and what
       expandable segments cannot hand back, as a fraction of the tracked peak. 5%.
 
-    flash-attn's backward workspace is not an allowance: the attention kernels allocate it in the
-    fake step at the moment the CUDA kernel would (``kernels.attention.planning_cuda_workspaces``).
+    FlashAttention's backward workspace is not an allowance: the traced CUDA kernels allocate it
+    in the fake step at the moment the CUDA kernel would
+    (``kernels.attention.cuda_backward_workspace_bytes``).
     """
 
     context_bytes: int = GiB
@@ -110,6 +109,11 @@ class Plan:
     heads_per_stage: int
     attention: str
     """The CP attention in words (style, U, FPDT chunks, ring axis)."""
+    traced_on: str
+    """The device whose kernels the step ran: "cuda" when the CUDA kernels' branch was traced on
+    fake tensors (a GPU plan), "cpu" for a CPU plan."""
+    attention_backend: str
+    """The attention backend traced ([parallelism] attention_backend resolved for that device)."""
     world_size: int
     device_peak_bytes: int
     device_peak_when: str
@@ -118,16 +122,33 @@ class Plan:
     host_per_node_bytes: int
     budget: Budget = field(default_factory=Budget)
     document_metadata_bytes: int = 0
-    """Device bytes of the document boundaries ([training] attention_mask / position_ids =
-    'document'): int32 ids of the whole sequence and this rank's int64 positions, per
-    micro-batch."""
+    """Device bytes of the document options ([training] position_ids = 'document'): this rank's
+    int64 positions, per micro-batch (the document ids live in host memory)."""
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_peak_bytes <= self.budget.device_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_per_node_bytes <= self.budget.host_bytes_per_node
 
     @property
     def fits(self) -> bool:
-        return (
-            self.device_peak_bytes <= self.budget.device_bytes
-            and self.host_per_node_bytes <= self.budget.host_bytes_per_node
-        )
+        return self.fits_device and self.fits_host
+
+    @property
+    def exceeds(self) -> str:
+        """What does not fit, in words: "device memory", "host memory", both, or ""."""
+        checks = (("device", self.fits_device), ("host", self.fits_host))
+        over = [name for name, ok in checks if not ok]
+        return f"{' and '.join(over)} memory" if over else ""
+
+    @property
+    def verdict(self) -> str:
+        """The plan in words, "fits" or "does not fit (host memory)": every line that reports a
+        plan says which memory does not fit."""
+        return "fits" if self.fits else f"does not fit ({self.exceeds})"
 
     @property
     def device_fixed_bytes(self) -> int:
@@ -140,13 +161,20 @@ class Plan:
         )
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "fits": self.fits}
+        return {
+            **dataclasses.asdict(self),
+            "fits": self.fits,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
+            "exceeds": self.exceeds,
+        }
 
     def render(self) -> str:
         budget = self.budget
         lines = [
             f"plan for {self.config_file}: seq_len {self.seq_len:,}, {self.attention}, "
-            f"{self.world_size} ranks",
+            f"{self.world_size} ranks, {self.attention_backend} attention kernels traced on "
+            f"{self.traced_on}",
             f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
             f"{budget.device_bytes / GiB:g} GiB, at {self.device_peak_when}",
         ]
@@ -168,7 +196,7 @@ class Plan:
                 if self.document_metadata_bytes
                 else []
             ),
-            f"  fits: {'yes' if self.fits else 'NO'}",
+            f"  fits: {'yes' if self.fits else f'NO ({self.exceeds})'}",
         ]
         return "\n".join(lines)
 
@@ -221,13 +249,13 @@ def _sharded_state_bytes(trainer: Trainer) -> int:
 
 
 def document_metadata_bytes(config: JobConfig) -> int:
-    """What the document options add on each device: the (B, S) int32 document ids of the whole
-    sequence (every CP rank needs every boundary) and the (B, S/C) int64 positions of its shard."""
+    """What the document options add on each device: the (B, S/C) int64 positions of the shard
+    ([training] position_ids = 'document'). The (B, S) int32 document ids of the whole sequence
+    (every CP rank needs every boundary) stay in host memory (``ParallelModel.document_inputs``)."""
     training = config.training
     batch, seq_len = training.local_batch_size, training.seq_len
-    ids = batch * seq_len * 4 if training.attention_mask == "document" else 0
     positions = batch * seq_len // config.parallelism.context_parallel_degree * 8
-    return ids + (positions if training.position_ids == "document" else 0)
+    return positions if training.position_ids == "document" else 0
 
 
 def tracked_step(trainer: Trainer, tracker: LiveMemoryTracker, config: JobConfig) -> None:
@@ -276,10 +304,13 @@ def plan_job(
     try:
         meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
         tracker = LiveMemoryTracker()
-        kernels = planning_cuda_workspaces() if target == "cuda" else contextlib.nullcontext()
-        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), kernels, tracker:
+        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker:
             placement = Placement(
-                meshes=meshes, device=DEVICE, host_device=host, mixed_precision=target == "cuda"
+                meshes=meshes,
+                device=DEVICE,
+                host_device=host,
+                mixed_precision=target == "cuda",
+                kernel_device=target,
             )
             trainer = Trainer(config, placement=placement)
             tracked_step(trainer, tracker, config)
@@ -309,6 +340,8 @@ def plan_job(
         cp_style=parallelism.cp_style,
         heads_per_stage=parallelism.stage_heads(n_heads),
         attention=describe_cp_style(parallelism, n_heads),
+        traced_on=trainer.setup.kernel_device,
+        attention_backend=trainer.setup.attention_backend,
         world_size=world_size,
         device_peak_bytes=device_peak,
         device_peak_when=peak.when,

@@ -3,12 +3,14 @@ one ladder from outcome to exit code that every command (train.py, evaluate, con
 
 ``ConfigError`` (in ``config``) covers what the user wrote; these cover what the run found.
 Exit codes: 0 done (or nothing left to do); 1 a run-time failure explained in one line; 2 a
-configuration error; 128 + N stopped by signal N after saving a snapshot.
+configuration error; 128 + N stopped by signal N (after saving a snapshot, for a training job
+stopped between steps; 130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -28,8 +30,9 @@ class JobComplete(Exception):
 
 
 class JobStopped(Exception):
-    """SIGTERM or SIGUSR1 stopped the job at a step boundary (after saving, if checkpointing is
-    on); train.py exits with 128 + the signal number, as a process killed by it would."""
+    """SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) stopped the job at a step boundary (after saving, if
+    checkpointing is on); train.py exits with 128 + the signal number, as a process killed by it
+    would."""
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
@@ -61,6 +64,12 @@ def run_main(work: Callable[[], object]) -> int:
         return report_outcome(f"error: {err}", 1)
     except JobStopped as stopped:
         return report_outcome(str(stopped), 128 + stopped.signum)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop: one line, not a traceback per rank
+        return report_outcome(
+            "stopped by Ctrl-C (SIGINT) before the work was done; outputs are written under "
+            "temporary names until complete, so nothing half-written was left",
+            128 + signal.SIGINT,
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,331 @@
+"""A user's mistakes, each made through a real entry point (train.py, convert, evaluate, plan) in
+this process, and the one clear line it must get: nothing a user owns is lost, bad data is named
+by file and line before any process group, impossible budgets are refused in seconds.
+
+Every case here stops before any process group exists (or needs none), so none spawns a launcher;
+Ctrl-C and resuming on changed data are in ``test_interrupts.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from upipe_dtensor import convert, evaluate, plan
+from upipe_dtensor.checkpointing.weights import save_dcp_weights
+from upipe_dtensor.data.checks import data_changes, data_fingerprint, scan_local_data
+from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, documents_digest
+from upipe_dtensor.models import Llama3
+from upipe_dtensor.models.hf_config import args_from_hf
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "recipes/debug_model.toml")
+TINY_CONFIG = {  # a Llama small enough to convert in a blink, and not the debug model's shape
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+    "rope_theta": 10000.0,
+}
+
+
+def _train_py():
+    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _train(tmp_path: Path, *extra: str) -> int:
+    """train.py in this process, one rank: every case here fails before a process group."""
+    return _train_py().main(
+        [
+            "--config",
+            DEBUG,
+            "--parallelism.context_parallel_degree",
+            "1",
+            "--job.dump_folder",
+            str(tmp_path / "job"),
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture
+def one_rank(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+# --- --help -------------------------------------------------------------------------------------
+
+
+def test_help_of_every_entry_point_shows_the_config_and_override_syntax(capsys) -> None:
+    assert _train_py().main(["--help"]) == 0
+    outputs = {"train.py": capsys.readouterr().out}
+    for name, main in (("evaluate", evaluate.main), ("convert", convert.main), ("plan", plan.main)):
+        with pytest.raises(SystemExit) as done:
+            main(["--help"])
+        assert done.value.code == 0
+        outputs[name] = capsys.readouterr().out
+    for name, text in outputs.items():
+        assert "--config" in text and "--section.key value" in text, name
+        assert "--training." in text, name  # an example of an override
+    for name in ("evaluate", "convert", "plan"):
+        assert "--overwrite" in outputs[name], name
+
+
+# --- values that are not numbers ------------------------------------------------------------------
+
+
+def test_non_finite_hyperparameters_are_one_line_config_errors(
+    tmp_path: Path, capsys, one_rank
+) -> None:
+    assert _train(tmp_path, "--optimizer.lr", "nan") == 2
+    err = capsys.readouterr().err
+    assert "config error: command line: [optimizer] lr = nan is not a finite number" in err
+    assert "Traceback" not in err
+    job = tmp_path / "inf.toml"
+    job.write_text(
+        f'extends = "{DEBUG}"\n[training]\nmax_norm = inf\n'
+        "[parallelism]\ncontext_parallel_degree = 1\n"
+    )
+    assert _train_py().main(["--config", str(job)]) == 2
+    assert f"{job}: [training] max_norm = inf is not a finite number" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        plan.main(["--config", DEBUG, "--device-memory-gib", "nan"])
+    assert done.value.code == 2
+    assert "--device-memory-gib: nan is not a finite number" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+
+def _corpus(folder: Path) -> Path:
+    """A jsonl corpus with bad records deep inside (lines 13, 27, 31, 34), and a clean .txt."""
+    folder.mkdir()
+    lines = [json.dumps({"text": f"document {i}: " + "words " * (i % 7 + 1)}) for i in range(36)]
+    lines[12] = '{"text": "unterminated'
+    lines[26] = json.dumps({"body": "the wrong field"})
+    lines[30] = json.dumps({"text": 42})
+    lines.insert(33, json.dumps({"text": "   "}))
+    (folder / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "b.txt").write_text("plain text\fmore text")
+    return folder
+
+
+def test_bad_records_are_named_before_any_process_group_or_skipped(
+    tmp_path: Path, capsys, one_rank
+) -> None:
+    corpus = _corpus(tmp_path / "corpus")
+    began = time.monotonic()
+    assert _train(tmp_path, "--training.dataset_path", str(corpus)) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"command line: [training] data: 4 bad records of 39 in dataset_path '{corpus}': "
+        f"{corpus}/a.jsonl:13: not valid JSON" in err
+    )
+    assert f"{corpus}/a.jsonl:27: record has no field 'text' (it has ['body'])" in err
+    assert f"{corpus}/a.jsonl:31: the document text is int, not a string; ... (1 more)" in err
+    assert "skip_bad_records = true" in err and "Traceback" not in err
+    assert not dist.is_initialized() and time.monotonic() - began < 30
+
+    scan = scan_local_data(str(corpus), "text")  # what skipping keeps: every good record, in order
+    assert (scan.records, scan.bad_count) == (39, 4)
+    kept = list(LocalDocuments(str(corpus), "text", skip_bad=True))
+    assert len(kept) == 35 and kept[-2:] == ["plain text", "more text"]
+    assert kept[12].startswith("document 13:")
+
+
+def test_changed_data_is_described(tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "corpus")
+    documents = LocalDocuments(str(corpus), "text", skip_bad=True)
+    scan = scan_local_data(str(corpus), "text")
+    count, digest = documents_digest(documents, 20)
+    saved = {
+        **data_fingerprint(documents.description, scan.files),
+        "read": {"0": {"epoch": 0, "documents": count, "sha256": digest}},
+    }
+    now = data_fingerprint(documents.description, scan.files)
+    assert data_changes(saved, now, 0, documents) == ""
+    (corpus / "c.txt").write_text("appended later")
+    grown = data_fingerprint(documents.description, scan_local_data(str(corpus), "text").files)
+    assert data_changes(saved, grown, 0, LocalDocuments(str(corpus), "text", skip_bad=True)) == (
+        "1 file added (c.txt); the 20 documents read so far are unchanged"
+    )
+    lines = (corpus / "a.jsonl").read_text().splitlines()
+    (corpus / "a.jsonl").write_text("\n".join(lines[10:]) + "\n")  # ten documents removed
+    fewer = scan_local_data(str(corpus), "text")
+    shrunk = data_fingerprint(documents.description, fewer.files)
+    changes = data_changes(saved, shrunk, 0, LocalDocuments(str(corpus), "text", skip_bad=True))
+    assert changes.startswith("1 file added (c.txt); 1 file changed (a.jsonl); ")
+    assert changes.endswith("the 20 documents read before the snapshot differ")
+
+
+def test_an_unreachable_hub_dataset_fails_in_seconds_naming_the_offline_switch(
+    tmp_path: Path, capsys, monkeypatch, one_rank
+) -> None:
+    def no_network(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    began = time.monotonic()
+    assert _train(tmp_path, "--training.dataset", "org/some-corpus") == 2
+    err = capsys.readouterr().err
+    assert "Hugging Face dataset 'org/some-corpus' cannot be streamed: cannot reach" in err
+    assert "HF_DATASETS_OFFLINE=1" in err and "dataset = 'local'" in err
+    assert time.monotonic() - began < 30 and not dist.is_initialized()
+
+    import datasets
+
+    def offline(name, split, streaming):  # what datasets raises at once with the switch on
+        raise ConnectionError(f"Couldn't reach {name!r} on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # offline: no probe, datasets answers
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError, match="'org/some-corpus' cannot be streamed: ConnectionError"):
+        HubDocuments("org/some-corpus", "train", "text")
+
+
+# --- convert: weights in and out -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama as a model-only DCP checkpoint and as a Hugging Face folder."""
+    root = tmp_path_factory.mktemp("weights")
+    assets = root / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(TINY_CONFIG))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "assets/tokenizer" / name, assets / name)
+    with torch.device("meta"):
+        model = Llama3(args_from_hf(TINY_CONFIG, "tiny"))
+    model.to_empty(device="cpu")
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    save_dcp_weights(model, str(root / "dcp"))
+    shape = ["--model.flavor", "hf", "--model.hf_assets_path", str(assets)]
+    assert convert.main(["--to", "hf", str(root / "dcp"), str(root / "hf"), *shape]) == 0
+    return {"dcp": root / "dcp", "hf": root / "hf", "assets": assets}
+
+
+def test_convert_never_removes_what_it_did_not_write(tmp_path: Path, weights, capsys) -> None:
+    target = tmp_path / "job"  # a dump folder a user converts into by mistake
+    (target / "checkpoint").mkdir(parents=True)
+    (target / "checkpoint" / "step-30").mkdir()
+    (target / "loss_by_position.png").write_bytes(b"a plot")
+    (target / "config.json").write_text("{}")
+    before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    shape = ["--model.flavor", "hf", "--model.hf_assets_path", str(weights["assets"])]
+    args = ["--to", "hf", str(weights["dcp"]), str(target), *shape]
+
+    assert convert.main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{target} is not empty: it holds 3 entries (checkpoint, config.json, "
+        "loss_by_position.png); pass --overwrite" in err
+    )
+    assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
+
+    assert convert.main([*args, "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert "kept 2 entries (checkpoint, loss_by_position.png) that convert did not write" in out
+    assert (target / "checkpoint" / "step-30").is_dir()
+    assert (target / "loss_by_position.png").read_bytes() == b"a plot"
+    shard = "model-00001-of-00001.safetensors"
+    assert (target / shard).read_bytes() == (weights["hf"] / shard).read_bytes()
+    assert json.loads((target / "config.json").read_text())["hidden_size"] == 64  # replaced
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_convert_with_another_models_config_names_the_weight(
+    tmp_path: Path, weights, capsys
+) -> None:
+    args = ["--to", "hf", str(weights["dcp"]), str(tmp_path / "out"), "--config", DEBUG]
+    assert convert.main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"config error: the weights in {weights['dcp']} are not this model's: "
+        "tok_embeddings.weight is (2048, 64) there, (2048, 256) in this model (and" in err
+    )
+    assert "pass the job config (and any --section.key overrides) they were saved with" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path: Path, weights, capsys, one_rank) -> None:
+    damaged = tmp_path / "hf"
+    shutil.copytree(weights["hf"], damaged)
+    (shard,) = damaged.glob("*.safetensors")
+    size = shard.stat().st_size
+    with shard.open("r+b") as handle:
+        handle.truncate(size // 2)
+    assert convert.main(["--to", "dcp", str(damaged), str(tmp_path / "dcp")]) == 2
+    message = f"{shard} is truncated: {size // 2:,} bytes, its header describes {size:,}"
+    assert message in capsys.readouterr().err
+    hf_job = ["--model.flavor", "hf", "--model.hf_assets_path", str(damaged)]
+    assert _train(tmp_path, *hf_job, "--checkpoint.initial_load_in_hf", "true") == 2
+    assert message in capsys.readouterr().err and not dist.is_initialized()
+
+
+def test_training_refuses_to_export_over_an_earlier_export(
+    tmp_path: Path, capsys, one_rank
+) -> None:
+    export = tmp_path / "job" / "checkpoint" / "step-60-hf"
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"someone's weights")
+    assert _train(tmp_path, "--checkpoint.last_save_in_hf", "true") == 2
+    assert (
+        f"{export} is not empty: it holds 1 entry (model.safetensors); the Hugging Face export "
+        "after the last step goes there" in capsys.readouterr().err
+    )
+    assert (export / "model.safetensors").read_bytes() == b"someone's weights"
+
+
+# --- the planner ----------------------------------------------------------------------------------
+
+
+def test_planner_refuses_what_cannot_fit_in_seconds(tmp_path: Path, capsys) -> None:
+    began = time.monotonic()
+    assert plan.main(["--config", DEBUG, "--max-context", "--device-memory-gib", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "config error: nothing can fit: with FSDP CPU offload: each GPU needs 2.56 GiB before any "
+        "activation (CUDA context 1.00, NCCL buffers (3 communicators) 1.50, cuBLAS workspace "
+        "0.06 GiB), more than its 1 GiB | without FSDP CPU offload:" in err
+    )
+    sweep = ["--sweep", "seq_len", "--out", str(tmp_path), "--device-memory-gib", "2"]
+    assert plan.main(["--config", DEBUG, *sweep]) == 2
+    assert "config error: nothing can fit: without FSDP CPU offload" in capsys.readouterr().err
+    assert time.monotonic() - began < 60  # a search plans for minutes; this plans nothing
+    assert not list(tmp_path.iterdir())
+
+
+def test_planner_says_which_memory_does_not_fit_and_keeps_old_sweeps(
+    tmp_path: Path, capsys
+) -> None:
+    offload = ["--training.enable_cpu_offload", "true", "--host-memory-gib", "1e-6"]
+    assert plan.main(["--config", DEBUG, "--json", *offload]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["fits"], report["fits_device"], report["fits_host"]) == (False, True, False)
+    assert report["exceeds"] == "host memory"
+    (tmp_path / "sweep.csv").write_text("an earlier sweep")
+    assert plan.main(["--config", DEBUG, "--sweep", "seq_len", "--out", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'sweep.csv'} already exists; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "sweep.csv").read_text() == "an earlier sweep"

@@ -1,0 +1,124 @@
+"""The training data checked before a job starts, and the fingerprint that tells a resumed job
+whether its data changed.
+
+``scan_local_data`` reads every record of every local file once, streaming, before any process
+group exists: a bad record deep in a file (a line that is not JSON, no text field, a text that is
+not a string or is blank) is found at start-up, with its file and line, instead of stopping the
+job hours later with a traceback on every rank, or never, if it lies past the last step.
+
+A snapshot records the fingerprint of the data it consumed (``data_fingerprint``): the files
+(paths, sizes, modification times) and, per data-parallel rank, how many documents of the epoch
+it had read and their SHA-256. ``data_changes`` compares it with the data a resumed job finds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from upipe_dtensor.data.loader import LocalDocuments, Record, documents_digest
+
+SHOWN = 3
+"""Bad records (and changed files) named in a message; the rest are counted."""
+BAD_RECORDS_FIX = (
+    "fix or remove them, set [training] dataset_text_field to the field that holds the text, or "
+    "set [training] skip_bad_records = true to train on the other records"
+)
+
+
+@dataclass
+class DataScan:
+    """What one pass over the local data found."""
+
+    description: str
+    files: dict[str, list[int]]
+    """Each file, relative to dataset_path, with its [bytes, modification time in ns]."""
+    records: int = 0
+    bad: list[Record] = field(default_factory=list)
+    """The first ``SHOWN`` bad records."""
+    bad_count: int = 0
+
+    def bad_summary(self) -> str:
+        """The bad records in one line: how many, and the first few with file and line."""
+        more = f"; ... ({self.bad_count - SHOWN} more)" if self.bad_count > SHOWN else ""
+        return (
+            f"{self.bad_count:,} bad record{'s' * (self.bad_count != 1)} of {self.records:,} in "
+            f"{self.description}: " + "; ".join(r.message for r in self.bad) + more
+        )
+
+
+def _relative(path: Path, root: Path) -> str:
+    return path.name if root.is_file() else path.relative_to(root).as_posix()
+
+
+def scan_local_data(dataset_path: str, text_field: str) -> DataScan:
+    """Read every record of ``dataset_path`` once; ValueError if it holds no data files."""
+    documents = LocalDocuments(dataset_path, text_field, skip_bad=True)
+    root = Path(dataset_path)
+    stats = {_relative(p, root): p.stat() for p in documents.files}
+    scan = DataScan(
+        documents.description,
+        {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()},
+    )
+    for record in documents.records():
+        scan.records += 1
+        if record.problem:
+            scan.bad_count += 1
+            if len(scan.bad) < SHOWN:
+                scan.bad.append(record)
+    return scan
+
+
+def data_fingerprint(description: str, files: dict[str, list[int]] | None) -> dict[str, Any]:
+    """The part of a snapshot's data record that is the same on every rank (``read`` is added
+    per data-parallel rank by the checkpointer). ``files``: None for a streamed dataset."""
+    return {"dataset": description, **({"files": files} if files is not None else {})}
+
+
+def _names(names: list[str]) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def file_changes(saved: dict[str, list[int]], now: dict[str, list[int]]) -> list[str]:
+    """Files added, removed, or of another size or modification time, in words."""
+    changes = []
+    for what, names in (
+        ("removed", sorted(set(saved) - set(now))),
+        ("added", sorted(set(now) - set(saved))),
+        ("changed", sorted(n for n in set(saved) & set(now) if saved[n] != now[n])),
+    ):
+        if names:
+            changes.append(f"{len(names)} file{'s' * (len(names) != 1)} {what} ({_names(names)})")
+    return changes
+
+
+def read_change(saved: dict[str, Any], documents) -> str:
+    """Whether the documents one rank had read before the snapshot are still the same ("" if
+    so): re-reads that many documents of the data as it is now and compares their SHA-256."""
+    count = int(saved["documents"])
+    found, digest = documents_digest(documents, count)
+    if found < count:
+        return f"the data now holds {found:,} documents, fewer than the {count:,} already read"
+    if digest != saved["sha256"]:
+        return f"the {count:,} documents read before the snapshot differ"
+    return ""
+
+
+def data_changes(saved: dict[str, Any], current: dict[str, Any], dp_rank: int, documents) -> str:
+    """What changed between the data a snapshot recorded and the data now ("" if nothing), as
+    this data-parallel rank sees it; ``documents`` iterates the data now."""
+    changes = []
+    if saved.get("dataset") != current["dataset"]:
+        changes.append(f"the dataset was {saved.get('dataset')}, now {current['dataset']}")
+    if "files" in saved and "files" in current:
+        changes += file_changes(saved["files"], current["files"])
+    read = saved.get("read", {}).get(str(dp_rank))
+    if read is not None:
+        documents_change = read_change(read, documents)
+        if documents_change:
+            changes.append(documents_change)
+        elif changes:
+            changes.append(f"the {int(read['documents']):,} documents read so far are unchanged")
+    return "; ".join(changes)
