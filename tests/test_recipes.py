@@ -65,13 +65,15 @@ LLAMA_31_8B_CONFIG = {
 
 
 def _llama_31_8b_folder(folder: Path) -> str:
-    """A stand-in Hugging Face folder: Meta's config.json, the shipped tokenizer, and an empty
-    weights file (the recipes are built on fake tensors: nothing is read)."""
+    """A stand-in Hugging Face folder: Meta's config.json, the shipped tokenizer, and a weights
+    file holding no tensors (the recipes are built on fake tensors: nothing is read, but the
+    start-up check parses its header)."""
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA_31_8B_CONFIG))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "assets/tokenizer" / name, folder / name)
-    (folder / "model.safetensors").touch()
+    header = b"{}"
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     return str(folder)
 
 
