@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.jobs.build import set_up_job
-from upipe_dtensor.kernels import attention
+from upipe_dtensor.kernels import backends
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.planning.step import plan_job
 from upipe_dtensor.runtime.metrics import peak_flops
@@ -62,7 +62,7 @@ def kernel_calls(monkeypatch) -> Counter:
 
 # Each style once with aten's flash kernel, each other backend once; cp 2 (2D: 2 x 2 on 4).
 STEPS = {
-    "upipe": ([], "flash"),
+    "upipe (auto plans fa3)": ([], "flash"),
     "ulysses": (["--parallelism.cp_style", "ulysses"], "flash"),
     "ring": (["--parallelism.cp_style", "ring"], "flash"),
     "fpdt": (
@@ -75,6 +75,7 @@ STEPS = {
         "flash",
     ),
     "cudnn": (["--parallelism.attention_backend", "cudnn"], "cudnn"),
+    "fa4 (registry, aten's flash op)": (["--parallelism.attention_backend", "fa4"], "flash"),
     "flash-attn twin": (["--parallelism.attention_backend", "flash"], "flash"),
     "float32 -> efficient": (["--training.mixed_precision_param", "float32"], "efficient"),
     "documents (planned dense)": (
@@ -90,7 +91,9 @@ def test_bf16_gpu_step_traces_the_cuda_kernels(name: str, kernel_calls: Counter)
     config = parse_args(["--config", DEBUG, "--training.seq_len", "512", *extra])
     plan = plan_job(config)
     assert plan.traced_on == "cuda"
-    assert plan.attention_backend == config.parallelism.attention_backend.replace("auto", "sdpa")
+    planned = {"auto": "sdpa" if kernel == "efficient" else "fa3"}
+    backend = config.parallelism.attention_backend
+    assert plan.attention_backend == planned.get(backend, backend)
     assert kernel_calls[kernel] > 0 and kernel_calls[f"{kernel}_bwd"] > 0, kernel_calls
     assert kernel_calls["cpu"] == 0, kernel_calls
     assert plan.device_peak_bytes > 0
@@ -134,20 +137,62 @@ def test_float32_with_a_16_bit_kernel_is_refused_before_any_process_group() -> N
 
 
 def test_head_dim_is_checked_per_backend() -> None:
-    attention.check_kernel_limits("sdpa", 128, torch.bfloat16)
+    backends.check_kernel_limits("sdpa", 128, torch.bfloat16)
     with pytest.raises(
-        ValueError, match=r"'cudnn' .* up to 128 .* head_dim 192.*'flash' or 'sdpa'"
+        ValueError, match=r"'cudnn' .* up to 128 .* head_dim 192.*'fa3' or 'flash' or 'sdpa'"
     ):
-        attention.check_kernel_limits("cudnn", 192, torch.bfloat16)
+        backends.check_kernel_limits("cudnn", 192, torch.bfloat16)
     with pytest.raises(ValueError, match="head_dim 20 in bfloat16: no CUDA kernel runs it"):
-        attention.check_kernel_limits("flash", 20, torch.bfloat16)
+        backends.check_kernel_limits("flash", 20, torch.bfloat16)
 
 
 def test_cuda_backends_need_cuda_and_auto_resolves_per_device() -> None:
-    assert attention.resolve_backend("auto", "cpu") == "sdpa"
-    assert attention.resolve_backend("auto", "cuda", traced=True) == "sdpa"
-    with pytest.raises(ValueError, match="'cudnn' needs a CUDA device"):
-        attention.resolve_backend("cudnn", "cpu")
+    assert backends.resolve_backend("auto", "cpu") == "sdpa"
+    assert backends.resolve_backend("auto", "cuda", traced=True) == "fa3"  # a Hopper plan
+    float32 = backends.choose_backend("auto", "cuda", traced=True, dtype=torch.float32)
+    assert float32.backend == "sdpa" and set(float32.skipped) == {"fa3", "cudnn", "fa4", "flash"}
+    assert "no float32 kernel" in float32.skipped["fa3"]
+    for name in ("cudnn", "fa3", "fa4", "flash"):
+        with pytest.raises(ValueError, match=f"'{name}' needs a CUDA device; on cpu use 'sdpa'"):
+            backends.resolve_backend(name, "cpu")
+
+
+@pytest.fixture
+def gpu_without_kernels(monkeypatch):
+    """A machine that looks like it has a GPU of a chosen architecture where neither FA3 nor FA4
+    imports and flash-attn is not installed: only what ships in torch (cuDNN, sdpa) runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    missing = {"FA3": "flash_attn_interface does not import", "FA4": "no flash_attn.cute"}
+    monkeypatch.setattr(backends, "registry_impl_problem", missing.get)
+    monkeypatch.setattr(backends, "flash_attn_problem", lambda: "flash-attn is not installed")
+
+    def on(major: int) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+
+    return on
+
+
+def test_auto_takes_the_fastest_kernel_that_runs_and_says_why(gpu_without_kernels) -> None:
+    gpu_without_kernels(9)  # Hopper: fa3, cudnn, fa4, flash, sdpa
+    hopper = backends.choose_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16)
+    assert hopper.backend == "cudnn"
+    assert hopper.describe() == "cudnn (auto; skipped fa3: flash_attn_interface does not import)"
+    documents = backends.choose_backend("auto", "cuda", documents=True, dtype=torch.bfloat16)
+    assert documents.backend == "sdpa"
+    assert documents.skipped == {
+        "fa3": "flash_attn_interface does not import",
+        "cudnn": "no document masks",
+        "fa4": "no flash_attn.cute",
+        "flash": "flash-attn is not installed",
+    }
+    wide = backends.choose_backend("auto", "cuda", head_dim=192, dtype=torch.bfloat16)
+    assert wide.backend == "sdpa" and "up to 128" in wide.skipped["cudnn"]
+    gpu_without_kernels(8)  # Ampere: flash, sdpa (no cuDNN advantage published there)
+    assert backends.choose_backend("auto", "cuda").skipped == {
+        "flash": "flash-attn is not installed"
+    }
+    with pytest.raises(ValueError, match="'fa3': flash_attn_interface does not import"):
+        backends.resolve_backend("fa3", "cuda")
 
 
 def test_job_device_cuda_without_gpu_is_a_config_error() -> None:
@@ -171,32 +216,33 @@ def broken_flash_attn(monkeypatch, tmp_path):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(attention.importlib.metadata, "version", lambda name: "2.8.3")
-    attention.flash_attn_problem.cache_clear()
-    attention._warn_once.cache_clear()
+    monkeypatch.setattr(backends.importlib.metadata, "version", lambda name: "2.8.3")
+    backends.flash_attn_problem.cache_clear()
     yield
     sys.modules.pop("flash_attn", None)
     sys.modules.pop("flash_attn.flash_attn_interface", None)
-    attention.flash_attn_problem.cache_clear()
+    backends.flash_attn_problem.cache_clear()
 
 
-def test_abi_mismatched_flash_attn_falls_back_under_auto(broken_flash_attn) -> None:
-    with pytest.warns(UserWarning, match="runs aten's flash kernels .*does not import"):
-        assert attention.resolve_backend("auto", "cuda") == "sdpa"
+def test_abi_mismatched_flash_attn_falls_back_under_auto(broken_flash_attn, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    choice = backends.choose_backend("auto", "cuda")
+    assert choice.backend == "sdpa"
+    assert "flash-attn 2.8.3 does not import" in choice.skipped["flash"]
     with pytest.raises(ValueError, match="'flash': flash-attn 2.8.3 does not import.*ImportError"):
-        attention.resolve_backend("flash", "cuda")
+        backends.resolve_backend("flash", "cuda")
 
 
 def test_old_flash_attn_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
-    monkeypatch.setattr(attention.importlib.metadata, "version", lambda name: "2.6.3")
-    attention.flash_attn_problem.cache_clear()
+    monkeypatch.setattr(backends.importlib.metadata, "version", lambda name: "2.6.3")
+    backends.flash_attn_problem.cache_clear()
     try:
         with pytest.raises(ValueError, match="flash-attn 2.6.3 is older than 2.7.0"):
-            attention.resolve_backend("flash", "cuda")
+            backends.resolve_backend("flash", "cuda")
     finally:
-        attention.flash_attn_problem.cache_clear()
+        backends.flash_attn_problem.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -202,6 +202,26 @@ def test_max_context_relaxes_to_faster_settings_when_the_device_has_room(
     assert all(p["fits"] for p in tried[-3:])  # the relaxation steps were planned and fit
 
 
+def test_objective_speed_keeps_the_length_and_takes_the_fastest_settings_that_fit(
+    tmp_path: Path, capsys
+) -> None:
+    """At the recipe's own length: U from C up to every head (fewer all-to-all calls), each step
+    kept only where the step-time model predicts it no slower; the printed recipe loads."""
+    shutil.copy(REPO / "recipes/debug_model.toml", tmp_path / "debug_model.toml")
+    args = ["--config", str(tmp_path / "debug_model.toml"), "--objective", "speed", "--json"]
+    assert plan_cli.main([*args, *CHECKPOINTED, "--search", "heads_per_stage"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["objective"] == "speed" and report["seq_len"] == 512
+    speeds = {p["settings"]["heads_per_stage"]: p["tokens_per_s_per_gpu"] for p in report["plans"]}
+    assert report["settings"]["heads_per_stage"] == max(speeds, key=speeds.get)
+    assert "The fastest settings the planner finds" in report["recipe_toml"]
+    saved = tmp_path / "fastest.toml"
+    saved.write_text(report["recipe_toml"])
+    assert parse_args(["--config", str(saved)]).parallelism.heads_per_stage == max(
+        speeds, key=speeds.get
+    )
+
+
 def test_knobs_follow_the_layout() -> None:
     """Which settings apply where, and that a chosen chunk count is a valid configuration."""
     config = parse_args(

@@ -13,7 +13,7 @@ import math
 import os
 
 from upipe_dtensor.checkpointing.weights import check_initial_load
-from upipe_dtensor.config.schema import ConfigError, JobConfig
+from upipe_dtensor.config.schema import ConfigError, JobConfig, source_label
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
 from upipe_dtensor.parallel.layouts import chunk_count
@@ -174,14 +174,100 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
         )
 
 
-def check_job(config: JobConfig, world_size: int) -> int:
-    """Reject impossible combinations before any heavy work; returns the dp_shard degree."""
+def _check_sources(config: JobConfig, fail) -> None:
+    """[[training.sources]]: local files, not beside dataset_path; each one's path, weight and
+    upsampling."""
+    training, key = config.training, "training.sources"
+    if training.dataset != "local":
+        fail(
+            f"[[training.sources]] are local files, but [training] dataset = {training.dataset!r} "
+            "names a Hugging Face dataset; set dataset = 'local' or remove the "
+            "[[training.sources]] tables",
+            key,
+            "training.dataset",
+        )
+    if "training.dataset_path" in config.sources and config.set_after("training.dataset_path", key):
+        fail(
+            f"[training] dataset_path = {training.dataset_path!r} and [[training.sources]] both "
+            "name the training data; make the path a [[training.sources]] table (path = "
+            f"{training.dataset_path!r}) or remove dataset_path (one set in a file that the "
+            "sources' file extends is overridden by them)",
+            "training.dataset_path",
+            key,
+        )
+    for number, source in enumerate(training.sources, 1):
+        label = source_label(number)
+        if not source.path:
+            fail(f"{label} has no path; add path = a .txt/.jsonl/.parquet file or folder", key)
+        if not os.path.exists(source.path):
+            fail(
+                f"{label} path = {source.path!r} does not exist; point it at a "
+                ".txt/.jsonl/.parquet file or folder",
+                key,
+            )
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            fail(
+                f"{label} weight = {source.weight} must be a finite number > 0: the source's "
+                "share of the mixture's tokens is its weight / the sum of the weights (e.g. 1.0)",
+                key,
+            )
+        if source.upsample_factor < 1:
+            fail(
+                f"{label} upsample_factor = {source.upsample_factor} must be >= 1 (1: no "
+                "upsampling)",
+                key,
+            )
+        if source.upsample_min_tokens < 0:
+            fail(f"{label} upsample_min_tokens = {source.upsample_min_tokens} must be >= 0", key)
+        if source.upsample_factor > 1 and source.upsample_min_tokens == 0:
+            fail(
+                f"{label} upsample_factor = {source.upsample_factor} repeats the documents of at "
+                "least upsample_min_tokens tokens, and upsample_min_tokens = 0 makes that every "
+                "document; set upsample_min_tokens to the length from which a document is long",
+                key,
+            )
+
+
+def _check_data(config: JobConfig, fail) -> None:
+    """The training data's settings: the dataset name, and dataset_path or [[training.sources]].
+    Reading the data is ``data.checks``'s."""
+    training = config.training
+    dataset = training.dataset
+    if not dataset.strip() or dataset != dataset.strip():
+        fail(
+            f"[training] dataset = {dataset!r}: use 'local' (files at dataset_path) or a Hugging "
+            "Face dataset name without surrounding spaces",
+            "training.dataset",
+        )
+    if training.sources:
+        _check_sources(config, fail)
+    elif dataset == "local" and not os.path.exists(training.dataset_path):
+        fail(
+            f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
+            f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name",
+            "training.dataset_path",
+        )
+
+
+def _failer(config: JobConfig):
+    """The ``fail(reason, *keys)`` of the checks: ``keys`` are the ``"section.key"`` values at
+    fault, and the ConfigError names where they were set."""
 
     def fail(reason: str, *keys: str) -> None:
-        """``keys``: the ``"section.key"`` values at fault; the message names where they were
-        set."""
         raise ConfigError(f"{config.source_of(*keys)}: {reason}")
 
+    return fail
+
+
+def check_training_data(config: JobConfig) -> None:
+    """The data settings alone (``check_job`` checks them too), for commands that read the data
+    without training (``data_report``)."""
+    _check_data(config, _failer(config))
+
+
+def check_job(config: JobConfig, world_size: int) -> int:
+    """Reject impossible combinations before any heavy work; returns the dp_shard degree."""
+    fail = _failer(config)
     _check_finite(config, fail)
     _check_positive(config, fail)
     parallelism, training = config.parallelism, config.training
@@ -248,19 +334,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "parallelism.attention_backend",
             "training.attention_mask",
         )
-    dataset = training.dataset
-    if not dataset.strip() or dataset != dataset.strip():
-        fail(
-            f"[training] dataset = {dataset!r}: use 'local' (files at dataset_path) or a Hugging "
-            "Face dataset name without surrounding spaces",
-            "training.dataset",
-        )
-    if dataset == "local" and not os.path.exists(training.dataset_path):
-        fail(
-            f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
-            f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name",
-            "training.dataset_path",
-        )
+    _check_data(config, fail)
     if not os.path.exists(config.model.tokenizer_folder):
         fail(
             f"[model] tokenizer_path = {config.model.tokenizer_path!r} (hf_assets_path = "

@@ -47,6 +47,45 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
+def _table_type(annotation: Any) -> type | None:
+    """The item class of a ``list[Dataclass]`` field, an array of tables (``[[section.key]]``
+    in TOML, e.g. ``[[training.sources]]``); None for any other field."""
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
+
+
+def _read_tables(value: Any, item_cls: type, shown: str, name: str) -> list[Any]:
+    """The ``[[name]]`` tables of a file as ``item_cls`` values, each key checked as a section's
+    keys are: an unknown key or a wrong type names the table by its number."""
+    if not isinstance(value, list) or not all(isinstance(table, dict) for table in value):
+        section, key = name.split(".")
+        raise ConfigError(
+            f"{shown}: [{section}] {key} = {value!r} should be [[{name}]] tables, one per item; "
+            f"their keys: {sorted(_field_types(item_cls))}"
+        )
+    known = _field_types(item_cls)
+    items = []
+    for number, table in enumerate(value, 1):
+        label = f"[[{name}]] #{number}"
+        for key in table:
+            if key not in known:
+                raise ConfigError(
+                    f"{shown}: unknown key {label} {key}; known keys of [[{name}]]: {sorted(known)}"
+                )
+        items.append(
+            item_cls(
+                **{
+                    key: _coerce(item, known[key], f"{shown}: {label} {key}")
+                    for key, item in table.items()
+                }
+            )
+        )
+    return items
+
+
 def _shown(path: Path) -> str:
     """A path as the user would write it: relative to the working directory when inside it."""
     try:
@@ -104,9 +143,10 @@ def _coerce(value: Any, annotation: Any, where: str, *, from_text: bool = False)
 
 def _read_toml(
     path: Path, seen: tuple[Path, ...] = (), extended_by: str = ""
-) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """The file's sections merged over its ``extends`` chain (base first), and the file that set
-    each ``"section.key"``. ``extended_by`` names the file whose ``extends`` pointed here."""
+) -> tuple[dict[str, dict[str, Any]], dict[str, str], list[str]]:
+    """The file's sections merged over its ``extends`` chain (base first), the file that set
+    each ``"section.key"``, and the chain's files (base first). ``extended_by`` names the file
+    whose ``extends`` pointed here."""
     shown = _shown(path)
     if not path.is_file():
         if path.is_dir():
@@ -129,11 +169,12 @@ def _read_toml(
         raise ConfigError(f"{shown}: invalid TOML: {err}") from err
     merged: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
+    files: list[str] = []
     base = raw.pop("extends", None)
     if base is not None:
         if not isinstance(base, str):
             raise ConfigError(f"{shown}: extends = {base!r} should be a path string")
-        merged, sources = _read_toml(
+        merged, sources, files = _read_toml(
             (path.parent / base).resolve(), seen + (path,), f"{shown}: extends = {base!r}, but the "
         )
     sections = _sections()
@@ -150,11 +191,14 @@ def _read_toml(
                 raise ConfigError(
                     f"{shown}: unknown key [{name}] {key}; known keys of [{name}]: {sorted(known)}"
                 )
-            merged.setdefault(name, {})[key] = _coerce(
-                value, known[key], f"{shown}: [{name}] {key}"
+            item_cls = _table_type(known[key])
+            merged.setdefault(name, {})[key] = (
+                _read_tables(value, item_cls, shown, f"{name}.{key}")
+                if item_cls
+                else _coerce(value, known[key], f"{shown}: [{name}] {key}")
             )
             sources[f"{name}.{key}"] = shown
-    return merged, sources
+    return merged, sources, [*files, shown]
 
 
 def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -187,6 +231,11 @@ def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
                 f"command line: unknown key --{name_key}; known keys of [{section}]: "
                 f"{sorted(known)}"
             )
+        if _table_type(known[key]):
+            raise ConfigError(
+                f"command line: --{name_key} takes [[{name_key}]] tables, which only a job file "
+                f"can hold; write them in the --config file (or a file it extends)"
+            )
         overrides.setdefault(section, {})[key] = _coerce(
             value, known[key], f"command line: --{name_key}", from_text=True
         )
@@ -197,8 +246,9 @@ def load_config(config_file: str | None, overrides: list[str] | None = None) -> 
     """Defaults <- the TOML file (and its bases) <- command-line overrides; validated types."""
     values: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
+    files: list[str] = []
     if config_file is not None:
-        values, sources = _read_toml(Path(config_file).resolve())
+        values, sources, files = _read_toml(Path(config_file).resolve())
     for section, table in _parse_overrides(overrides or []).items():
         values.setdefault(section, {}).update(table)
         sources.update({f"{section}.{key}": "command line" for key in table})
@@ -207,6 +257,7 @@ def load_config(config_file: str | None, overrides: list[str] | None = None) -> 
         **{name: sections[name](**values.get(name, {})) for name in sections},
         config_file=config_file,
         sources=sources,
+        files=files,
     )
 
 
@@ -246,24 +297,40 @@ def _field_docs(section_cls: type) -> dict[str, str]:
     return docs
 
 
-def config_help() -> str:
-    """Every ``--section.key`` with its type, default and docstring, for ``train.py --help``."""
+def _help_lines(cls: type, prefix: str, indent: int) -> list[str]:
+    """``cls``'s keys as ``{prefix}key (type, default)`` lines, each with its docstring under it;
+    the keys of an array of tables (``[[section.key]]``) are listed under the table's name."""
     lines = []
-    for name, section_cls in _sections().items():
-        lines.append(f"[{name}]")
-        docs = _field_docs(section_cls)
-        for f in dataclasses.fields(section_cls):
-            annotation = _field_types(section_cls)[f.name]
+    docs = _field_docs(cls)
+    pad = " " * indent
+    for f in dataclasses.fields(cls):
+        annotation = _field_types(cls)[f.name]
+        item_cls = _table_type(annotation)
+        if item_cls:
+            name = f"{prefix.lstrip('-')}{f.name}"
+            lines.append(f"{pad}[[{name}]] (tables, only in a job file; none by default), keys:")
+        else:
             kind = (
                 " | ".join(map(repr, typing.get_args(annotation)))
                 if typing.get_origin(annotation) is Literal
                 else getattr(annotation, "__name__", str(annotation))
             )
-            lines.append(f"  --{name}.{f.name} ({kind}, default {f.default!r})")
-            if f.name in docs:
-                lines.append(
-                    textwrap.fill(
-                        docs[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6
-                    )
+            lines.append(f"{pad}{prefix}{f.name} ({kind}, default {f.default!r})")
+        if f.name in docs:
+            lines.append(
+                textwrap.fill(
+                    docs[f.name], 100, initial_indent=pad + " " * 4, subsequent_indent=pad + " " * 4
                 )
+            )
+        if item_cls:
+            lines += _help_lines(item_cls, "", indent + 4)
+    return lines
+
+
+def config_help() -> str:
+    """Every ``--section.key`` with its type, default and docstring, for ``train.py --help``."""
+    lines = []
+    for name, section_cls in _sections().items():
+        lines.append(f"[{name}]")
+        lines += _help_lines(section_cls, f"--{name}.", 2)
     return "\n".join(lines)

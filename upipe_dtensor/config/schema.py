@@ -73,11 +73,39 @@ class Model:
 
 
 @dataclass
+class DataSource:
+    """One ``[[training.sources]]`` table: a part of the training data mixture. As in Fu et al.
+    2024 (Data Engineering for Scaling Language Models to 128K Context), each source keeps its
+    share of the tokens while its long documents are upsampled within it. A document's length is
+    counted as it is packed: its tokens plus BOS and EOS."""
+
+    path: str = ""
+    """A .txt/.jsonl/.parquet file or a folder of them (dataset_text_field names the text)."""
+    weight: float = 1.0
+    """This source's share of the mixture's tokens, relative to the others: weight / (sum of the
+    weights), counted after upsampling, whatever the source's size."""
+    upsample_min_tokens: int = 0
+    """Documents of at least this many tokens are the long ones that upsample_factor repeats."""
+    upsample_factor: int = 1
+    """How many times each long document appears per pass over the source (1: no upsampling).
+    Its extra copies are spread over the next documents of the source, placed by [training] seed."""
+
+
+def source_label(number: int) -> str:
+    """The ``number``-th (from 1) ``[[training.sources]]`` table, as every message names it."""
+    return f"[[training.sources]] #{number}"
+
+
+@dataclass
 class Training:
     dataset: str = "local"
     """'local' reads dataset_path; any other value is a Hugging Face dataset name (streamed)."""
     dataset_path: str = "assets/corpus"
-    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them."""
+    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them (the one source when
+    there are no [[training.sources]] tables)."""
+    sources: list[DataSource] = field(default_factory=list)
+    """Train on a mixture of local sources instead of dataset_path, each with its share of the
+    tokens and its long documents upsampled; python -m upipe_dtensor.data_report shows it."""
     dataset_text_field: str = "text"
     """Field (jsonl) or column (parquet, HF) holding each document's text."""
     local_batch_size: int = 1
@@ -91,7 +119,7 @@ class Training:
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm (0 disables clipping)."""
     seed: int = 0
-    """Seed for weight initialisation."""
+    """Seed for weight initialisation and for where upsampled documents' copies are placed."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """FSDP2 parameter dtype for compute (CUDA only; CPU always computes in float32)."""
     mixed_precision_reduce: Literal["float32"] = "float32"
@@ -109,6 +137,12 @@ class Training:
     """Skip data records that cannot be documents (a line that is not JSON, no
     dataset_text_field, a text that is not a string or is blank) instead of refusing to start;
     the start-up log counts them and names the first few by file and line."""
+
+    @property
+    def data_sources(self) -> list[DataSource]:
+        """The local sources trained on: the [[training.sources]] tables, else dataset_path as the
+        one source (the defaults of ``DataSource``: weight 1, no upsampling)."""
+        return self.sources or [DataSource(path=self.dataset_path)]
 
 
 @dataclass
@@ -131,11 +165,14 @@ class Parallelism:
     fpdt: 0 means 65536, the FPDT paper's setting. upipe: 0 runs each head stage over the whole
     sequence; a value > 0 is UPipe x FPDT, heads and sequence both chunked (the longest
     contexts)."""
-    attention_backend: Literal["auto", "flash", "cudnn", "sdpa"] = "auto"
-    """Local attention kernel: 'flash' the flash-attn package (>= 2.7), 'cudnn' aten's cuDNN
-    attention (no document masks), 'sdpa' PyTorch's own (aten's flash kernel on CUDA,
-    memory-efficient in float32, the CPU kernel on CPU), 'auto' flash when flash-attn imports on
-    CUDA, else sdpa (the start-up line names what runs). The planner traces the CUDA kernels."""
+    attention_backend: Literal["auto", "fa3", "fa4", "cudnn", "flash", "sdpa"] = "auto"
+    """Local attention kernel: 'fa3' FlashAttention-3 (Hopper) and 'fa4' FlashAttention-4 (Hopper,
+    Blackwell) through torch's flash-attention registry, 'cudnn' aten's cuDNN attention (no
+    document masks), 'flash' the flash-attn package (FlashAttention-2, >= 2.7), 'sdpa' PyTorch's
+    own (aten's FlashAttention-2 on CUDA, memory-efficient in float32, the CPU kernel on CPU),
+    'auto' the fastest of these that runs here, by the published order for the GPU (fa3, cudnn,
+    fa4, flash, sdpa on Hopper; the start-up line names what runs and why faster ones were
+    skipped). The planner traces the CUDA kernels; 'auto' plans fa3."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
 
@@ -297,9 +334,17 @@ class JobConfig:
     sources: dict[str, str] = field(default_factory=dict)
     """Where each non-default key was set: ``"section.key"`` -> a file path or ``"command
     line"``."""
+    files: list[str] = field(default_factory=list)
+    """The job file and the files it extends, base first, as ``sources`` names them."""
 
     def source_of(self, *keys: str) -> str:
         """The file(s) or the command line that set these ``"section.key"`` values, so an error
         blames where the user wrote the value (defaults are blamed on the job file)."""
         found = dict.fromkeys(self.sources[key] for key in keys if key in self.sources)
         return " and ".join(found) or self.config_file or "defaults"
+
+    def set_after(self, key: str, other: str) -> bool:
+        """Whether ``key`` was set where ``other`` was or after it: in the same file, in a file
+        extending that one, or on the command line (a base file's value is overridden)."""
+        order = [*self.files, "command line"]
+        return order.index(self.sources[key]) >= order.index(self.sources[other])

@@ -1,14 +1,16 @@
 """The training data checked before a job starts, and the fingerprint that tells a resumed job
 whether its data changed.
 
-``scan_local_data`` reads every record of every local file once, streaming, before any process
-group exists: a bad record deep in a file (a line that is not JSON, no text field, a text that is
-not a string or is blank) is found at start-up, with its file and line, instead of stopping the
-job hours later with a traceback on every rank, or never, if it lies past the last step.
+``scan_local_data`` (``scan_sources`` for every source of a mixture) reads every record of every
+local file once, streaming, before any process group exists: a bad record deep in a file (a line
+that is not JSON, no text field, a text that is not a string or is blank) is found at start-up,
+with its file and line, instead of stopping the job hours later with a traceback on every rank,
+or never, if it lies past the last step.
 
 A snapshot records the fingerprint of the data it consumed (``data_fingerprint``): the files
 (paths, sizes, modification times) and, per data-parallel rank, how many documents of the epoch
-it had read and their SHA-256. ``data_changes`` compares it with the data a resumed job finds.
+it had read and their SHA-256 (per source of a mixture). ``data_changes`` compares it with the
+data a resumed job finds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from upipe_dtensor.config.schema import source_label
 from upipe_dtensor.data.loader import LocalDocuments, Record, documents_digest
+from upipe_dtensor.data.mixture import MixtureDocuments, mixture_description
 
 SHOWN = 3
 """Bad records (and changed files) named in a message; the rest are counted."""
@@ -33,7 +37,8 @@ class DataScan:
 
     description: str
     files: dict[str, list[int]]
-    """Each file, relative to dataset_path, with its [bytes, modification time in ns]."""
+    """Each file, relative to dataset_path (or as the path of a mixture's source and the file
+    relative to it), with its [bytes, modification time in ns]."""
     records: int = 0
     bad: list[Record] = field(default_factory=list)
     """The first ``SHOWN`` bad records."""
@@ -52,9 +57,10 @@ def _relative(path: Path, root: Path) -> str:
     return path.name if root.is_file() else path.relative_to(root).as_posix()
 
 
-def scan_local_data(dataset_path: str, text_field: str) -> DataScan:
-    """Read every record of ``dataset_path`` once; ValueError if it holds no data files."""
-    documents = LocalDocuments(dataset_path, text_field, skip_bad=True)
+def scan_local_data(dataset_path: str, text_field: str, key: str = "dataset_path") -> DataScan:
+    """Read every record of ``dataset_path`` once; ValueError if it holds no data files (naming
+    the path as ``key``)."""
+    documents = LocalDocuments(dataset_path, text_field, skip_bad=True, key=key)
     root = Path(dataset_path)
     stats = {_relative(p, root): p.stat() for p in documents.files}
     scan = DataScan(
@@ -68,6 +74,28 @@ def scan_local_data(dataset_path: str, text_field: str) -> DataScan:
             if len(scan.bad) < SHOWN:
                 scan.bad.append(record)
     return scan
+
+
+def scan_sources(paths: list[str], text_field: str) -> DataScan:
+    """``scan_local_data`` over every [[training.sources]] path (one source: exactly its scan);
+    a mixture's files are named ``path: file``, its bad records counted together."""
+    if len(paths) == 1:
+        return scan_local_data(paths[0], text_field)
+    scans = [
+        scan_local_data(path, text_field, f"{source_label(number)} path")
+        for number, path in enumerate(paths, 1)
+    ]
+    return DataScan(
+        mixture_description(paths),
+        {
+            f"{path}: {name}": stat
+            for path, scan in zip(paths, scans)
+            for name, stat in scan.files.items()
+        },
+        records=sum(scan.records for scan in scans),
+        bad=[record for scan in scans for record in scan.bad][:SHOWN],
+        bad_count=sum(scan.bad_count for scan in scans),
+    )
 
 
 def data_fingerprint(description: str, files: dict[str, list[int]] | None) -> dict[str, Any]:
@@ -94,9 +122,7 @@ def file_changes(saved: dict[str, list[int]], now: dict[str, list[int]]) -> list
     return changes
 
 
-def read_change(saved: dict[str, Any], documents) -> str:
-    """Whether the documents one rank had read before the snapshot are still the same ("" if
-    so): re-reads that many documents of the data as it is now and compares their SHA-256."""
+def _source_read_change(saved: dict[str, Any], documents) -> str:
     count = int(saved["documents"])
     found, digest = documents_digest(documents, count)
     if found < count:
@@ -106,9 +132,31 @@ def read_change(saved: dict[str, Any], documents) -> str:
     return ""
 
 
+def read_change(saved: dict[str, Any], documents) -> str:
+    """Whether the documents one rank had read before the snapshot are still the same ("" if
+    so): re-reads that many documents of the data as it is now, source by source for a mixture,
+    and compares their SHA-256."""
+    reads = saved.get("sources", [saved])
+    parts = documents.parts if isinstance(documents, MixtureDocuments) else [documents]
+    if len(reads) != len(parts):
+        return f"the snapshot read {len(reads)} source(s), the data now has {len(parts)}"
+    if len(parts) == 1:
+        return _source_read_change(reads[0], parts[0])
+    changes = (
+        (part.description, _source_read_change(read, part)) for read, part in zip(reads, parts)
+    )
+    return "; ".join(f"{where}: {change}" for where, change in changes if change)
+
+
+def _documents_read(read: dict[str, Any]) -> int:
+    """How many documents a rank's read state counts (of every source of a mixture)."""
+    return sum(int(source["documents"]) for source in read.get("sources", [read]))
+
+
 def data_changes(saved: dict[str, Any], current: dict[str, Any], dp_rank: int, documents) -> str:
     """What changed between the data a snapshot recorded and the data now ("" if nothing), as
-    this data-parallel rank sees it; ``documents`` iterates the data now."""
+    this data-parallel rank sees it; ``documents`` iterates the data now (``MixtureDocuments``
+    for a mixture)."""
     changes = []
     if saved.get("dataset") != current["dataset"]:
         changes.append(f"the dataset was {saved.get('dataset')}, now {current['dataset']}")
@@ -120,5 +168,5 @@ def data_changes(saved: dict[str, Any], current: dict[str, Any], dp_rank: int, d
         if documents_change:
             changes.append(documents_change)
         elif changes:
-            changes.append(f"the {int(read['documents']):,} documents read so far are unchanged")
+            changes.append(f"the {_documents_read(read):,} documents read so far are unchanged")
     return "; ".join(changes)

@@ -6,7 +6,9 @@ into one token stream and cuts it into consecutive, non-overlapping windows of `
 
 - Sharding is by document: the i-th document goes to dp rank ``i % dp_world_size``. The order is
   fixed (sorted paths, or the stream's order) and nothing is shuffled, so every context-parallel
-  rank of one dp rank builds the same batches on its own.
+  rank of one dp rank builds the same batches on its own. Several local sources
+  (``[[training.sources]]``) are mixed by ``data.mixture``: each keeps its share of the tokens,
+  its long documents upsampled.
 - A ``.txt`` file holds one document, or several separated by form feeds (``"\\f"``); each is
   stripped of surrounding whitespace, and blank ones are dropped. ``.jsonl`` and ``.parquet`` hold
   one document per record, in ``text_field``.
@@ -14,10 +16,11 @@ into one token stream and cuts it into consecutive, non-overlapping windows of `
   not a string or is blank, a file that is not UTF-8 or not parquet) stops the loader with its file
   and line, or is skipped with ``skip_bad=True``; ``data.checks`` finds them all before a job
   starts. Documents are numbered after blanks and skipped records are left out.
-- The loader's state is a position in the stream (epoch, document, tokens of it already used), so
-  resuming tokenizes one document, and changing ``seq_len`` or ``batch_size`` on resume is fine.
-  It also holds how many documents of the epoch were read and a SHA-256 of them, so a resume can
-  tell whether the data it continues on is the data it stopped on.
+- The loader's state is a position in the stream (epoch, document, tokens of it already used; per
+  source for a mixture), so resuming tokenizes one document per source, and changing ``seq_len``
+  or ``batch_size`` on resume is fine. It also holds how many documents of the epoch were read
+  and a SHA-256 of them, so a resume can tell whether the data it continues on is the data it
+  stopped on.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,15 @@ from urllib.parse import urlparse
 import pyarrow.parquet as pq
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+from upipe_dtensor.config.schema import DataSource, source_label
+from upipe_dtensor.data.mixture import (
+    Mixture,
+    MixtureDocuments,
+    SourceStream,
+    hash_document,
+    mixture_description,
+)
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 RECORD_FIX = (
@@ -210,33 +222,41 @@ def good_texts(records: Iterable[Record], skip_bad: bool) -> Iterator[str]:
             raise ValueError(f"{record.message}; {RECORD_FIX}")
 
 
-def list_files(dataset_path: str) -> list[Path]:
+def list_files(dataset_path: str, key: str = "dataset_path") -> list[Path]:
     """The data files of ``dataset_path``: the file itself, or a folder's supported files in
-    sorted relative-path order. ValueError naming the problem and a fix."""
+    sorted relative-path order. ValueError naming the problem (the path as ``key``) and a fix."""
     kinds = "/".join(SUPPORTED_SUFFIXES)
-    fix = f"point dataset_path at a {kinds} file or a directory of them (e.g. assets/corpus)"
+    fix = f"point {key} at a {kinds} file or a directory of them (e.g. assets/corpus)"
     root = Path(dataset_path)
     if not dataset_path or not root.exists():
-        raise ValueError(f"dataset_path {dataset_path!r} does not exist; {fix}")
+        raise ValueError(f"{key} {dataset_path!r} does not exist; {fix}")
     if root.is_file():
         if root.suffix not in SUPPORTED_SUFFIXES:
-            raise ValueError(f"dataset_path {dataset_path!r} is not a supported file; {fix}")
+            raise ValueError(f"{key} {dataset_path!r} is not a supported file; {fix}")
         return [root]
     files = sorted(
         (p for p in root.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES),
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not files:
-        raise ValueError(f"dataset_path {dataset_path!r} holds no {kinds} files; {fix}")
+        raise ValueError(f"{key} {dataset_path!r} holds no {kinds} files; {fix}")
     return files
 
 
 class LocalDocuments:
     """The documents of one file, or of a directory's files in sorted relative-path order."""
 
-    def __init__(self, dataset_path: str, text_field: str, *, skip_bad: bool = False) -> None:
-        self.description = f"dataset_path {dataset_path!r}"
-        self.files = list_files(dataset_path)
+    def __init__(
+        self,
+        dataset_path: str,
+        text_field: str,
+        *,
+        skip_bad: bool = False,
+        key: str = "dataset_path",
+    ) -> None:
+        """``key``: what messages call the path (a [[training.sources]] table's path)."""
+        self.description = f"{key} {dataset_path!r}"
+        self.files = list_files(dataset_path, key)
         self.text_field = text_field
         self.skip_bad = skip_bad
         for file in self.files:  # a wrong text_field fails now, not after hours of other files
@@ -306,13 +326,6 @@ class HubDocuments:
         return good_texts(records, self.skip_bad)
 
 
-def _hash_document(hasher: Any, text: str) -> None:
-    """Add one document to a running hash: its length first, so boundaries count too."""
-    data = text.encode("utf-8")
-    hasher.update(len(data).to_bytes(8, "little"))
-    hasher.update(data)
-
-
 def documents_digest(documents: Iterable[str], count: int) -> tuple[int, str]:
     """How many of the first ``count`` documents exist, and the SHA-256 the loader's state holds
     after reading them (``PackedTextLoader.read_state``)."""
@@ -320,7 +333,7 @@ def documents_digest(documents: Iterable[str], count: int) -> tuple[int, str]:
     for text in documents:
         if read == count:
             break
-        _hash_document(hasher, text)
+        hash_document(hasher, text)
         read += 1
     return read, hasher.hexdigest()
 
@@ -330,8 +343,10 @@ class PackedTextLoader:
     yields (inputs, labels) LongTensors of shape (batch_size, seq_len): inputs = w[:-1],
     labels = w[1:].
 
-    Infinite: the corpus repeats in the same order, epoch after epoch. ``dataset_path`` is read
-    only for ``dataset="local"``; any other ``dataset`` is a Hugging Face dataset name.
+    Infinite: each source repeats in the same order, epoch after epoch. Without ``sources``, one
+    source: ``dataset_path`` for ``dataset="local"``, else the Hugging Face dataset ``dataset``.
+    With ``sources`` (local files only), their mixture (``data.mixture``): each source's share of
+    the tokens, its long documents upsampled, copies placed by ``seed``.
     """
 
     def __init__(
@@ -347,6 +362,8 @@ class PackedTextLoader:
         dp_world_size: int,
         split: str = "train",
         skip_bad_records: bool = False,
+        sources: Sequence[DataSource] = (),
+        seed: int = 0,
     ) -> None:
         sizes = {"seq_len": seq_len, "batch_size": batch_size, "dp_world_size": dp_world_size}
         for name, value in sizes.items():
@@ -358,80 +375,88 @@ class PackedTextLoader:
             raise ValueError(
                 "dataset must be 'local' (files at dataset_path) or a Hugging Face dataset name"
             )
+        if sources and dataset != "local":
+            raise ValueError(f"[[training.sources]] are local files, but dataset is {dataset!r}")
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.tokenizer = tokenizer
-        self.documents: LocalDocuments | HubDocuments = (
-            LocalDocuments(dataset_path, text_field, skip_bad=skip_bad_records)
-            if dataset == "local"
-            else HubDocuments(dataset, split, text_field, skip_bad=skip_bad_records)
+        parts: list[LocalDocuments | HubDocuments]
+        if sources:
+            parts = [
+                LocalDocuments(
+                    source.path,
+                    text_field,
+                    skip_bad=skip_bad_records,
+                    key=f"{source_label(n)} path",
+                )
+                for n, source in enumerate(sources, 1)
+            ]
+        elif dataset == "local":
+            parts = [LocalDocuments(dataset_path, text_field, skip_bad=skip_bad_records)]
+        else:
+            parts = [HubDocuments(dataset, split, text_field, skip_bad=skip_bad_records)]
+        streams = [
+            SourceStream(
+                documents,
+                source,
+                tokenizer=tokenizer,
+                dp_rank=dp_rank,
+                dp_world_size=dp_world_size,
+                seed=seed,
+                number=number,
+            )
+            for number, (documents, source) in enumerate(zip(parts, sources or [DataSource()]), 1)
+        ]
+        self.stream: SourceStream | Mixture = streams[0] if len(streams) == 1 else Mixture(streams)
+        self.documents: LocalDocuments | HubDocuments | MixtureDocuments = (
+            parts[0]
+            if len(parts) == 1
+            else MixtureDocuments(parts, mixture_description([s.path for s in sources]))
         )
-        # Position of the next token: `offset` tokens of global document `document` are used.
-        self._epoch, self._document, self._offset = 0, 0, 0
-        # Documents of this epoch read so far (every rank reads them all) and their hash.
-        self._read, self._hasher = 0, hashlib.sha256()
+        # The item the next token comes from (a position of the stream), and its tokens used.
+        self._position, self._offset = self.stream.start(), 0
 
     def check_first_document(self) -> None:
-        """Read (and tokenize) this rank's first document now, so an empty corpus or a bad first
-        record fails before a training job builds its model, not at its first batch."""
-        next(self._rank_documents(0, 0))
-
-    def _rank_documents(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
-        """(epoch, global index, packed tokens) of this rank's documents from ``start`` on, forever.
-
-        Skipping to ``start`` re-reads (and hashes) the documents before it but tokenizes none of
-        them.
-        """
-        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
-        while True:
-            index = -1
-            self._read, self._hasher = 0, hashlib.sha256()
-            for index, text in enumerate(self.documents):
-                _hash_document(self._hasher, text)
-                self._read = index + 1
-                if index >= start and index % self.dp_world_size == self.dp_rank:
-                    yield epoch, index, [bos, *self.tokenizer.encode(text), eos]
-            if start == 0 and index < self.dp_rank:
-                raise ValueError(
-                    f"{self.documents.description} has {index + 1} non-blank documents, so dp rank "
-                    f"{self.dp_rank} of {self.dp_world_size} gets none; add documents or lower "
-                    "the data-parallel degree"
-                )
-            epoch, start = epoch + 1, 0
+        """Read (and tokenize) this rank's first document of every source now, so an empty
+        corpus or a bad first record fails before a training job builds its model, not at its
+        first batch."""
+        next(self.stream.items(self._position))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from the current position; follows a ``load_state_dict`` made between batches."""
+        """Batches from the current position; follows a ``load_state_dict`` made between batches.
+
+        Resuming tokenizes only the document the position is in (one per source of a mixture)."""
         need = self.batch_size * (self.seq_len + 1)
-        position = None
+        here = None
         while True:
-            if position != (self._epoch, self._document, self._offset):
-                documents = self._rank_documents(self._epoch, self._document)
-                epoch, document, tokens = next(documents)
-                offset = self._offset if document == self._document else 0
+            if here != (self._position, self._offset):
+                items = self.stream.items(self._position)
+                position, tokens = next(items)
+                # min: on changed data (accept_data_change) the document may now be shorter
+                offset = min(self._offset, len(tokens)) if position == self._position else 0
             window: list[int] = []
             while len(window) < need:
                 if offset == len(tokens):
-                    epoch, document, tokens = next(documents)
+                    position, tokens = next(items)
                     offset = 0
                 taken = tokens[offset : offset + need - len(window)]
                 window.extend(taken)
                 offset += len(taken)
-            self._epoch, self._document, self._offset = epoch, document, offset
-            position = epoch, document, offset
+            self._position, self._offset = position, offset
+            here = position, offset
             rows = torch.tensor(window, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
             yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def read_state(self) -> dict[str, Any]:
-        """What this rank has read of the current epoch: the epoch, how many documents (every
-        rank reads all of them, up to its own position) and their SHA-256 (``documents_digest``
-        recomputes it from the data, to tell whether the data changed)."""
-        return {"epoch": self._epoch, "documents": self._read, "sha256": self._hasher.hexdigest()}
+        """What this rank has read of the current epoch, per source: the epoch, how many
+        documents (every rank reads all of them, up to its own position) and their SHA-256
+        (``documents_digest`` recomputes it from the data, to tell whether the data changed)."""
+        return self.stream.read_state()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch starts; the dp geometry is kept to refuse a mismatched resume."""
         return {
-            "epoch": self._epoch,
-            "document": self._document,
+            **self._position,
             "offset": self._offset,
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
@@ -446,8 +471,4 @@ class PackedTextLoader:
                 f"dp rank {self.dp_rank} of {self.dp_world_size}; documents are assigned by rank, "
                 "so resume with the same data-parallel degree"
             )
-        self._epoch, self._document, self._offset = (
-            state["epoch"],
-            state["document"],
-            state["offset"],
-        )
+        self._position, self._offset = self.stream.position_in(state), state["offset"]

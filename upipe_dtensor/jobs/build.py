@@ -26,7 +26,12 @@ from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.data.documents import document_ids, document_positions
 from upipe_dtensor.data.loader import Tokenizer, build_tokenizer
 from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, build_meshes, parallelize_llama
-from upipe_dtensor.kernels.attention import check_kernel_limits, resolve_backend
+from upipe_dtensor.kernels.backends import (
+    Choice,
+    activate_backend,
+    check_kernel_limits,
+    choose_backend,
+)
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import Llama3, init_sharded_weights
 from upipe_dtensor.models.hf_config import model_args
@@ -54,20 +59,28 @@ def pick_device(config: JobConfig) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def resolve_attention(config: JobConfig, args: Llama3Args, kernel_device: str, traced: bool) -> str:
-    """[parallelism] attention_backend resolved for the device its kernels run on, and checked
-    against the model's head_dim and the compute dtype (ConfigError, before any process group)."""
+def resolve_attention(
+    config: JobConfig, args: Llama3Args, kernel_device: str, traced: bool
+) -> Choice:
+    """[parallelism] attention_backend resolved for the device its kernels run on, the job's
+    document masks, head_dim and compute dtype (ConfigError, before any process group)."""
     keys = ("parallelism.attention_backend", "job.device", "training.mixed_precision_param")
+    head_dim = args.dim // args.n_heads
+    dtype = DTYPES[config.training.mixed_precision_param] if kernel_device == "cuda" else None
     try:
-        backend = resolve_backend(
-            config.parallelism.attention_backend, kernel_device, traced=traced
+        choice = choose_backend(
+            config.parallelism.attention_backend,
+            kernel_device,
+            traced=traced,
+            documents=config.training.attention_mask == "document",
+            head_dim=head_dim,
+            dtype=dtype,
         )
         if kernel_device == "cuda":
-            dtype = DTYPES[config.training.mixed_precision_param]
-            check_kernel_limits(backend, args.dim // args.n_heads, dtype)
+            check_kernel_limits(choice.backend, head_dim, dtype)
     except ValueError as err:
         raise ConfigError(f"{config.source_of(*keys)}: [parallelism] {err}") from err
-    return backend
+    return choice
 
 
 def _init_process_group(backend: str) -> None:
@@ -119,6 +132,8 @@ class JobSetup:
     GPU run on fake CPU tensors)."""
     attention_backend: str
     """[parallelism] attention_backend resolved for ``kernel_device``."""
+    attention_choice: str
+    """The backend in words for the start-up line: with ``auto``, why faster ones were skipped."""
     meshes: ParallelMeshes
     world_size: int
     dp: int
@@ -151,9 +166,10 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = placement.device or pick_device(config)
     kernel_device = placement.kernel_device or device.type
-    backend = resolve_attention(
-        config, args, kernel_device, traced=placement.kernel_device is not None
-    )
+    traced = placement.kernel_device is not None
+    choice = resolve_attention(config, args, kernel_device, traced=traced)
+    if kernel_device == "cuda" and not traced:
+        activate_backend(choice.backend)
     if placement.device is None and not dist.is_initialized():
         _init_process_group("nccl" if device.type == "cuda" else "gloo")
     parallelism = config.parallelism
@@ -169,7 +185,8 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
         host_device=placement.host_device,
         mixed_precision=device.type == "cuda" if mixed_precision is None else mixed_precision,
         kernel_device=kernel_device,
-        attention_backend=backend,
+        attention_backend=choice.backend,
+        attention_choice=choice.describe(),
         meshes=meshes,
         world_size=world_size,
         dp=dp,

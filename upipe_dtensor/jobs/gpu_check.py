@@ -4,9 +4,9 @@
 
 1. Parity. Each context-parallel style (UPipe, Ulysses, ring, FPDT, UPipe x FPDT, and 2D UPipe on
    4 or 8 GPUs) runs a small torchtitan Llama3 (GQA, head_dim 64) in bf16 with every attention
-   backend that works here (flash, cudnn, sdpa; the others are listed with the reason), against a
-   float64 copy of the unsharded model. Beside each error stands the unsharded bf16 model's own:
-   the ratio is what the CPU tests bound by 1.5 (``tests/test_bf16.py``).
+   backend that works here (fa3, fa4, cudnn, flash, sdpa; the others are listed with the reason),
+   against a float64 copy of the unsharded model. Beside each error stands the unsharded bf16
+   model's own: the ratio is what the CPU tests bound by 1.5 (``tests/test_bf16.py``).
 2. Speed and memory. One training step of the 8B shape (``recipes/llama3_8b_base.toml``, the
    whole node on one sequence of ``--tokens-per-gpu`` x N tokens, FSDP CPU offload when the
    planner says the model states do not fit): tokens/s per GPU and the peak allocated and
@@ -37,7 +37,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from upipe_dtensor.config import ConfigError, parse_args
-from upipe_dtensor.kernels.attention import BACKENDS, resolve_backend
+from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, resolve_backend
 from upipe_dtensor.parallel import (
     ContextParallelAttention,
     FPDTAttention,
@@ -154,6 +154,8 @@ def check_parity(mesh: DeviceMesh, device: torch.device, backends: list[str]) ->
     exact_logits, exact_grads = _loss_and_grads(exact, tokens, labels, seq_len)
     rows = []
     for backend in backends:
+        if device.type == "cuda":
+            activate_backend(backend)  # FA3/FA4 take over aten's flash ops process-wide
         plain = _small_model(seq_len, device)
         cast_parameters(plain, torch.bfloat16)
         plain_logits, plain_grads = _loss_and_grads(plain, tokens, labels, seq_len)

@@ -40,7 +40,7 @@ from upipe_dtensor.data.checks import (
     DataScan,
     data_changes,
     data_fingerprint,
-    scan_local_data,
+    scan_sources,
 )
 from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
 from upipe_dtensor.jobs.build import (
@@ -288,7 +288,7 @@ class Trainer:
         ranks = f"{setup.world_size} rank{'s' * (setup.world_size != 1)}"
         return (
             f"training {config.model.flavor}, seq_len {config.training.seq_len:,}, {style}, "
-            f"{setup.attention_backend} attention kernels, cp "
+            f"{setup.attention_choice} attention kernels, cp "
             f"{setup.cp} x dp {setup.dp} = {ranks} on {self.device.type}, steps "
             f"{self.start_step + 1}..{config.training.steps}, from {weights} "
             f"[{config.config_file or 'no config file'}: {config.job.description!r}]"
@@ -414,10 +414,17 @@ def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
             dp_rank=setup.dp_rank,
             dp_world_size=setup.dp,
             skip_bad_records=training.skip_bad_records,
+            sources=training.sources,
+            seed=training.seed,
         )
         loader.check_first_document()
     except ValueError as err:
-        keys = ("training.dataset", "training.dataset_path", "training.dataset_text_field")
+        keys = (
+            "training.dataset",
+            "training.dataset_path",
+            "training.dataset_text_field",
+            "training.sources",
+        )
         raise ConfigError(f"{config.source_of(*keys)}: [training] data: {err}") from err
     return loader
 
@@ -445,14 +452,17 @@ def _check_data(config: JobConfig) -> DataScan | None:
     a warning. A Hugging Face dataset is only probed: an unreachable Hub fails in seconds."""
     training = config.training
     where = config.source_of(
-        "training.dataset", "training.dataset_path", "training.dataset_text_field"
+        "training.dataset",
+        "training.dataset_path",
+        "training.dataset_text_field",
+        "training.sources",
     )
     try:
         if training.dataset != "local":
             if why := hub_unreachable(training.dataset):
                 raise ValueError(why)
             return None
-        scan = scan_local_data(training.dataset_path, training.dataset_text_field)
+        scan = scan_sources([s.path for s in training.data_sources], training.dataset_text_field)
     except ValueError as err:
         raise ConfigError(f"{where}: [training] data: {err}") from err
     if scan.bad_count and not training.skip_bad_records:

@@ -20,13 +20,12 @@ lse = -inf, which the LSE merge treats as "no contribution".
 Tensors are (batch, seq, heads, head_dim); K/V may have fewer heads than Q (GQA: query head i uses
 KV head i // (hq // hk)). LSE is (batch, hq, seq) float32.
 
-Backends (``[parallelism] attention_backend``, the styles' ``backend``) and the kernels they run:
-  ``flash``  the flash-attn package (FlashAttention-2, >= 2.7; documents through its varlen path);
-  ``sdpa``   PyTorch's own kernels: on CUDA aten's flash kernel (bf16/fp16; grouped K/V as they
-             are; documents through its varlen path, one launch per block) or, for float32, aten's
-             memory-efficient kernel; on CPU the CPU flash kernel;
-  ``cudnn``  aten's cuDNN attention (LSE (B, h, S, 1); no document masks: refused when asked);
-  ``auto``   flash when flash-attn imports on CUDA, else sdpa.
+Backends (``[parallelism] attention_backend``; ``kernels.backends`` chooses one) and the aten or
+flash-attn calls they make here: ``fa3``, ``fa4`` and ``sdpa`` call aten's flash ops (16-bit;
+grouped K/V as they are; documents through the varlen path, one launch per block), which torch's
+flash-attention registry points at FA3's or FA4's kernels (``backends.activate_backend``); ``sdpa``
+in float32 calls aten's memory-efficient op; ``cudnn`` aten's cuDNN op (LSE (B, h, S, 1); no
+document masks: refused when asked); ``flash`` the flash-attn package; on CPU the CPU flash op.
 The kernel is chosen from the backend and the device the job runs on (``kernel_device``), never
 from the tensors' device: aten's CUDA attention ops have meta kernels, so the memory planner and
 the tests trace the CUDA branch on fake CPU tensors (fake ``cuda`` tensors would abort autograd in
@@ -43,129 +42,11 @@ CUDA branch itself is traced.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.metadata
-import warnings
-
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
-BACKENDS = ("auto", "flash", "cudnn", "sdpa")
-"""What a user chooses (``[parallelism] attention_backend``)."""
-CUDA_BACKENDS = ("flash", "cudnn")
-"""Backends with no CPU kernel."""
-FLASH_ATTN_VERSIONS = ("2.7.0", "2.8.3")
-"""flash-attn releases this code is written for: from 2.7.0 (the 11-argument
-``_flash_attn_forward`` returning 4 values) up to 2.8.3, the newest checked against our calls."""
-
-KERNEL_LIMITS = {
-    # backend: (head_dim multiple, largest head_dim, dtypes); sources: flash-attn's and aten's
-    # flash_api.cpp (mha_fwd: head_size % 8 == 0, <= 256, "only support fp16 and bf16"), aten's
-    # sdp_utils.cpp for cuDNN (head_dim % 8 == 0, <= 128) and the memory-efficient kernel
-    # (head_dim % 8 == 0 for 16-bit inputs, % 4 for float32; any dtype of the three).
-    "flash": (8, 256, (torch.bfloat16, torch.float16)),
-    "cudnn": (8, 128, (torch.bfloat16, torch.float16)),
-    "sdpa": (8, 256, (torch.bfloat16, torch.float16, torch.float32)),
-}
-
-
-@functools.cache
-def flash_attn_problem() -> str | None:
-    """Why the flash-attn package cannot run here, or None when it can. The compiled module is
-    imported (``flash_attn_interface`` imports ``flash_attn_2_cuda``): a wheel built for another
-    torch passes ``find_spec`` and fails only there."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        version = importlib.metadata.version("flash-attn")
-    except importlib.metadata.PackageNotFoundError:
-        return "flash-attn is not installed (pip install 'upipe-dtensor[flash]')"
-    if _version_tuple(version) < _version_tuple(FLASH_ATTN_VERSIONS[0]):
-        return f"flash-attn {version} is older than {FLASH_ATTN_VERSIONS[0]}; upgrade it"
-    try:
-        importlib.import_module("flash_attn.flash_attn_interface")
-    except Exception as err:  # an ABI mismatch surfaces as ImportError or OSError
-        return (
-            f"flash-attn {version} does not import ({type(err).__name__}: {err}); it was built "
-            f"for another torch than {torch.__version__}: reinstall it from source "
-            "(pip install flash-attn --no-build-isolation)"
-        )
-    return None
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
-
-
-def resolve_backend(name: str, device_type: str, *, traced: bool = False) -> str:
-    """The backend that runs for ``name`` on a ``device_type`` device: ``auto`` resolved, a CUDA
-    backend on CPU refused. ``traced``: planning a GPU run on fake tensors, where flash-attn's
-    twin stands in for the package (so ``flash`` and ``auto`` need no package here)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    if device_type != "cuda":
-        if name in CUDA_BACKENDS:
-            raise ValueError(
-                f"attention backend {name!r} needs a CUDA device; on {device_type} use 'sdpa' or "
-                "'auto'"
-            )
-        return "sdpa"
-    if traced:
-        return "sdpa" if name == "auto" else name
-    problem = flash_attn_problem()
-    if name == "flash" and problem:
-        raise ValueError(f"attention backend 'flash': {problem}; or use 'sdpa', 'cudnn' or 'auto'")
-    if name == "auto":
-        if problem:
-            _warn_once(f"attention backend 'auto' runs aten's flash kernels (sdpa): {problem}")
-            return "sdpa"
-        return "flash"
-    return name
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
-
-
-def check_kernel_limits(backend: str, head_dim: int, dtype: torch.dtype | None = None) -> None:
-    """ValueError when a CUDA backend cannot run this head_dim (or dtype), naming the backends
-    that can; called when a style is applied, before any forward."""
-    if backend not in KERNEL_LIMITS:
-        return
-
-    def fits(name: str) -> bool:
-        multiple, largest, dtypes = KERNEL_LIMITS[name]
-        return (
-            head_dim % multiple == 0 and head_dim <= largest and (dtype is None or dtype in dtypes)
-        )
-
-    if not fits(backend):
-        working = [name for name in KERNEL_LIMITS if fits(name)]
-        multiple, largest, dtypes = KERNEL_LIMITS[backend]
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(
-            f"attention backend {backend!r} runs head_dim a multiple of {multiple} up to {largest} "
-            f"in {names}; this model has head_dim {head_dim}"
-            + (f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else "")
-            + (
-                f": use {' or '.join(map(repr, working))}"
-                if working
-                else ": no CUDA kernel runs it"
-            )
-        )
-
-
-def op_kernel(backend: str, kernel_device: str, x: Tensor) -> str:
-    """The kernel an attention op runs for its input ``x``: ``backend`` resolved for the device
-    the job runs on (``kernel_device``; "" means ``x``'s own): "cpu", or on CUDA the backend
-    itself ("flash", "cudnn", "sdpa"). Fake ``x`` (planning) traces the CUDA branch."""
-    device_type = kernel_device or x.device.type
-    resolved = resolve_backend(backend, device_type, traced=is_fake(x))
-    return "cpu" if device_type != "cuda" else resolved
-
+from upipe_dtensor.kernels.backends import REGISTRY_IMPLS
 
 # --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
 
@@ -175,22 +56,28 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def cuda_backward_workspace_bytes(q: Tensor, k: Tensor, kernel: str) -> int:
-    """Bytes FlashAttention-2's backward (``mha_bwd`` in csrc/flash_attn/flash_api.cpp, flash-attn's
-    and aten's copy alike) allocates besides its outputs: a float32 dQ accumulator (B,
-    round128(Sq), hq, round32(d)) and softmax_d (B, hq, round128(Sq)); with GQA, dK and dV
-    expanded to every query head (2 x (B, Sk, hq, d) in the input dtype) before being summed.
+    """Bytes a CUDA backward allocates besides its outputs, for (B, S, h, d) ``q`` and ``k``.
     Meta kernels return only the outputs, so the planner allocates this for the call's duration.
-    cuDNN's and the memory-efficient kernel's internal workspaces are not modelled (their sizes
-    are not documented); their K/V are repeated to the query heads in activation space, which is
-    traced."""
-    if kernel not in ("flash", "sdpa") or q.dtype == torch.float32:
+
+    FlashAttention-2 (``mha_bwd`` in csrc/flash_attn/flash_api.cpp, flash-attn's and aten's copy
+    alike): a float32 dQ accumulator (B, round128(Sq), hq, round32(d)) and softmax_d (B, hq,
+    round128(Sq)); with GQA, dK and dV expanded to every query head (2 x (B, Sk, hq, d) in the
+    input dtype) before being summed. FA3 (hopper/flash_api.cpp ``mha_bwd``) and FA4
+    (flash_attn/cute/interface.py ``_flash_attn_bwd``): the float32 dQ accumulator, softmax_d and
+    a log2 LSE (B, hq, round128(Sq)) each, and with GQA float32 dK and dV accumulators per KV
+    head (2 x (B, hk, round128(Sk) x round32(d))). cuDNN's and the memory-efficient kernel's
+    internal workspaces are not modelled (their sizes are not documented); their K/V are repeated
+    to the query heads in activation space, which is traced."""
+    if kernel not in ("flash", "sdpa", *REGISTRY_IMPLS) or q.dtype == torch.float32:
         return 0
     batch, seq_q, heads, head_dim = q.shape
-    rows = _round_up(seq_q, 128)
-    workspace = batch * rows * heads * _round_up(head_dim, 32) * 4 + batch * heads * rows * 4
-    if k.shape[2] != heads:
-        workspace += 2 * batch * k.shape[1] * heads * head_dim * q.element_size()
-    return workspace
+    kv_heads, rows, width = k.shape[2], _round_up(seq_q, 128), _round_up(head_dim, 32)
+    dq_accum = batch * rows * heads * width * 4
+    if kernel in REGISTRY_IMPLS:
+        kv_accum = 2 * batch * kv_heads * _round_up(k.shape[1], 128) * width * 4
+        return dq_accum + 2 * batch * heads * rows * 4 + (kv_accum if kv_heads != heads else 0)
+    expanded = 2 * batch * k.shape[1] * heads * head_dim * q.element_size()
+    return dq_accum + batch * heads * rows * 4 + (expanded if kv_heads != heads else 0)
 
 
 # --- dense blocks: one kernel call -------------------------------------------------------------
@@ -210,8 +97,9 @@ def _uses_flash_attn(q: Tensor, kernel: str) -> bool:
 
 
 def _aten_kernel(q: Tensor, kernel: str) -> str:
-    """Which aten CUDA op runs a block: flash (16-bit; also flash-attn's twin), efficient
-    (float32 under sdpa) or cudnn."""
+    """Which aten CUDA op runs a block: flash (16-bit; also flash-attn's twin, and FA3's and
+    FA4's, which torch's registry puts behind the same op), efficient (float32 under sdpa) or
+    cudnn."""
     if kernel == "cudnn":
         return "cudnn"
     return "efficient" if q.dtype == torch.float32 else "flash"
@@ -452,9 +340,9 @@ def _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, segments):
 
 
 def _has_varlen(q: Tensor, kernel: str) -> bool:
-    """Kernels with a varlen path: flash-attn and aten's flash (16-bit). The CPU kernel and
-    float32's memory-efficient kernel run one document at a time."""
-    return kernel == "flash" or (kernel == "sdpa" and q.dtype != torch.float32)
+    """Kernels with a varlen path: flash-attn, FA3, FA4 and aten's flash (16-bit). The CPU kernel
+    and float32's memory-efficient kernel run one document at a time."""
+    return kernel in ("flash", *REGISTRY_IMPLS) or (kernel == "sdpa" and q.dtype != torch.float32)
 
 
 def _document_forward(q, k, v, scale, kernel, causal, q_docs, k_docs):

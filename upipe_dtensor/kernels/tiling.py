@@ -8,6 +8,10 @@ the same allocations, the same peak, without the thousands of identical iteratio
 multi-million-token plan slow. Real tensors always visit every tile. FPDT's chunk loops
 (``parallel.fpdt_attention``) use the same rule for their quadratic chunk pairs.
 (tests/test_planner.py checks that a plan with every tile equals one with the shortcut.)
+
+What the planner *counts* (FLOPs, bytes: ``planning.step_work``) must cover every iteration, so
+while a visited iteration runs, ``repeats()`` says how many real ones it stands for: the second
+visit stands for every middle iteration (loops nest, so the factors multiply).
 """
 
 from __future__ import annotations
@@ -17,15 +21,44 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 _every_tile_when_planning = False
+_repeats = 1.0
 
 
-def visited(like: Tensor, steps: range) -> list[int] | range:
+def repeats() -> float:
+    """How many real iterations the running one stands for (1 outside shortened loops)."""
+    return _repeats
+
+
+class _Visits(list):
+    """The visited iterations; iterating sets ``repeats()`` for each one's body."""
+
+    def __init__(self, values: list[int], weights: list[float]) -> None:
+        super().__init__(values)
+        self.weights = weights
+
+    def __iter__(self):
+        global _repeats
+        outer = _repeats
+        try:
+            for value, weight in zip(list.__iter__(self), self.weights):
+                _repeats = outer * weight
+                yield value
+        finally:
+            _repeats = outer
+
+
+def visited(like: Tensor, steps: range, stands_for: float | None = None) -> list[int] | range:
     """The iterations of a loop of identical steps over ``like``'s computation to run: all of
-    them, except on fake tensors, where the first two and the last are enough."""
+    them, except on fake tensors, where the first two and the last are enough. ``stands_for``:
+    how many iterations the loop counts as (default ``len(steps)``), for a loop that itself stands
+    for several of different lengths; the second visit takes what the other two do not."""
     if torch.compiler.is_compiling():  # traced by torch.compile: every step, as at run time
         return steps
+    total = len(steps) if stands_for is None else stands_for
     if is_fake(like) and not _every_tile_when_planning and len(steps) > 3:
-        return [steps[0], steps[1], steps[-1]]
+        return _Visits([steps[0], steps[1], steps[-1]], [1.0, total - 2, 1.0])
+    if total != len(steps):
+        return _Visits(list(steps), [total / len(steps)] * len(steps))
     return steps
 
 

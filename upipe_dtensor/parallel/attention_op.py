@@ -52,7 +52,7 @@ class AttentionParams:
     scale: float
     """Softmax scale (head_dim ** -0.5 for Llama3)."""
     backend: str
-    """Local attention backend (``kernels.attention.BACKENDS``)."""
+    """Local attention backend (``kernels.backends.BACKENDS``)."""
     kernel_device: str = ""
     """The device type the kernels are chosen for; "" means the tensors' own. The planner says
     "cuda" to trace the CUDA kernels on fake CPU tensors (``kernels.attention.op_kernel``)."""

@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from upipe_dtensor.kernels.attention import attention_backward, attention_forward, op_kernel
+from upipe_dtensor.kernels.attention import attention_backward, attention_forward
+from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import PartialAttention, accumulator
 from upipe_dtensor.kernels.tiling import visited
 from upipe_dtensor.memory.host_store import HostStore, Parked, named_host_store
@@ -123,7 +124,7 @@ def fpdt_forward(
     layer = _Chunks(x, wq, wk, wv, params)
     schedule, backend, scale = (
         layer.schedule,
-        op_kernel(params.backend, params.kernel_device, x),
+        op_kernel(params.backend, params.kernel_device, x, documents=doc_ids is not None),
         params.scale,
     )
     parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
@@ -205,7 +206,7 @@ def fpdt_backward(
     layer = _Chunks(x, wq, wk, wv, params)
     schedule, backend, scale = (
         layer.schedule,
-        op_kernel(params.backend, params.kernel_device, x),
+        op_kernel(params.backend, params.kernel_device, x, documents=doc_ids is not None),
         params.scale,
     )
     parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
@@ -238,6 +239,10 @@ def fpdt_backward(
             if stage.opens_kv_block and stage.closes_kv_block
             else range(count)
         )
+        # What the planner counts: a visited middle K/V chunk (j = 1) stands for every middle
+        # one, whose query loops shrink with j, so its query loop stands for their average.
+        middle_queries = sum(count - j for j in range(1, count - 1)) / max(count - 2, 1)
+        shortened = len(outer) < count
         for j in outer:  # outer: K/V chunks
             span_j = layer.spans[j]
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
@@ -246,7 +251,8 @@ def fpdt_backward(
             else:
                 grad_k_j = parking.get(("dk", j), release=True)
                 grad_v_j = parking.get(("dv", j), release=True)
-            queries = range(j, count) if j == 0 else visited(x, range(j, count))
+            stands_for = middle_queries if shortened and j == 1 else None
+            queries = range(j, count) if j == 0 else visited(x, range(j, count), stands_for)
             for step, i in enumerate(queries):  # inner: query chunks that see chunk j
                 q_i = parking.get(("q", i), release=i == j)
                 o_i = parking.get(("o", i), release=i == j)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from upipe_dtensor.kernels.attention import op_kernel
+from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import accumulator
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
 from upipe_dtensor.parallel.projections import AttentionProjections, resolve_group
@@ -60,12 +60,20 @@ class _Layer(AttentionProjections):
     """The projections of the whole local shard, plus the ring the stages attend across."""
 
     def __init__(
-        self, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, params: AttentionParams
+        self,
+        x: Tensor,
+        wq: Tensor,
+        wk: Tensor,
+        wv: Tensor,
+        params: AttentionParams,
+        doc_ids: Tensor | None,
     ) -> None:
         super().__init__(x, wq, wk, wv, params)
         group = resolve_group(params.ring_group, params.ring_degree)
         self.ring = Ring(group, group.rank() if group is not None else 0, params.ring_degree)
-        self.backend = op_kernel(params.backend, params.kernel_device, x)
+        self.backend = op_kernel(
+            params.backend, params.kernel_device, x, documents=doc_ids is not None
+        )
         self.scale = params.scale
 
 
@@ -81,7 +89,7 @@ def staged_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The stage loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
     lse (stages, B, U/C_h, S/R) float32)."""
-    layer = _Layer(x, wq, wk, wv, params)
+    layer = _Layer(x, wq, wk, wv, params, doc_ids)
     schedule = layer.schedule
     out = x.new_empty(layer.batch, layer.local_len, schedule.n_heads, params.head_dim)
     lse = x.new_empty(
@@ -123,7 +131,7 @@ def staged_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv, dwo).
     Sums over stages (dx) and over a KV block's stages (dK, dV) are float32 (``merge``)."""
-    layer = _Layer(x, wq, wk, wv, params)
+    layer = _Layer(x, wq, wk, wv, params, doc_ids)
     schedule = layer.schedule
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(layer.batch, layer.local_len, schedule.n_heads, params.head_dim)

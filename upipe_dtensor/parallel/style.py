@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from upipe_dtensor.kernels.attention import BACKENDS, CUDA_BACKENDS, check_kernel_limits
+from upipe_dtensor.kernels.backends import BACKENDS, CUDA_BACKENDS, check_kernel_limits
 from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.host_store import HostMemory
 from upipe_dtensor.parallel.attention_op import AttentionParams

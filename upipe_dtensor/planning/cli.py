@@ -1,6 +1,9 @@
-"""Memory planner CLI: will a recipe fit on its GPUs and in host RAM? Answered on a laptop.
+"""Planner CLI: will a recipe fit on its GPUs and in host RAM, and how fast will it run? Answered
+on a laptop.
 
     python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml
+    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --gpu h200 --json
+    python -m upipe_dtensor.plan --config recipes/llama3_8b_1M.toml --objective speed
     python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --sweep seq_len --styles
     upipe,ulysses
 
@@ -14,7 +17,9 @@ unless ``--overwrite``. Every answer says which memory binds: "does not fit (hos
 A budget below what any step needs before its first activation (CUDA's fixed allowances, the
 model states) is refused in seconds, before any search (``floor``). ``--max-context`` also
 searches the settings (U, sequence chunks, FSDP CPU offload, tile sizes, block-input prefetch;
-``max_context``) and prints a recipe for the longest context with its plan. See
+``max_context``) and prints a recipe for the longest context with its plan; ``--objective speed``
+searches the same settings for the fastest step that fits at the recipe's length. Every plan
+carries a predicted step time, tokens/s per GPU and MFU on ``--gpu`` (``planning.step_time``). See
 ``upipe_dtensor.planning.step`` for what is modelled.
 """
 
@@ -34,6 +39,7 @@ from typing import Any
 from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.config import CP_STYLES, OVERRIDES_HELP, JobConfig, parse_args
 from upipe_dtensor.planning.floor import refuse_impossible
+from upipe_dtensor.planning.hardware import GPU_PROFILES
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
 from upipe_dtensor.planning.max_context import (
     KNOB_NAMES,
@@ -115,6 +121,8 @@ def _write_sweep_csv(path: Path, results: dict[str, tuple[int, list[Plan]]]) -> 
                 "exceeds",
                 "max_seq_len",
                 "limited_by",
+                "step_time_s",
+                "tokens_per_s_per_gpu",
             ]
         )
         for style, (best, plans) in results.items():
@@ -129,6 +137,8 @@ def _write_sweep_csv(path: Path, results: dict[str, tuple[int, list[Plan]]]) -> 
                         plan.exceeds,
                         best,
                         limit_of(best, plans),
+                        f"{plan.speed.step_time_s:.3f}" if plan.speed else "",
+                        f"{plan.speed.tokens_per_s_per_gpu:.2f}" if plan.speed else "",
                     ]
                 )
 
@@ -222,6 +232,9 @@ def _names(kind: str, choices: tuple[str, ...], example: str) -> Callable[[str],
 
 
 _styles = _names("cp style", tuple(CP_STYLES), "upipe,ulysses")
+GPU_MEMORY_GIB = {"h100-sxm": 80.0, "h200": 140.0}
+"""Memory per GPU of each --gpu kind, GiB: H100 SXM's 80 (the planner's long-standing default), and
+H200's 141 GB (nvidia-smi's 143771 MiB, 140.4 GiB) rounded down."""
 _knobs = _names("setting", KNOB_NAMES, "heads_per_stage,fsdp_cpu_offload")
 
 
@@ -233,7 +246,16 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--config", required=True, help="job or recipe .toml")
     parser.add_argument(
-        "--device-memory-gib", type=_positive(float), default=80.0, help="memory per GPU"
+        "--gpu",
+        choices=sorted(GPU_PROFILES),
+        default="h100-sxm",
+        help="the GPU kind whose hardware profile prices the step time (planning/hardware.py)",
+    )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=_positive(float),
+        default=None,
+        help="memory per GPU (default: the --gpu's, 80 for h100-sxm, 140 for h200)",
     )
     parser.add_argument(
         "--host-memory-gib", type=_positive(float), default=2048.0, help="host RAM per node"
@@ -261,6 +283,14 @@ def main(argv: list[str]) -> int:
         default=None,
         help=f"cp styles to sweep, comma-separated, from: {', '.join(CP_STYLES)} "
         "(default: upipe,ulysses)",
+    )
+    parser.add_argument(
+        "--objective",
+        choices=["length", "speed"],
+        default=None,
+        help="'speed': search the settings for the fastest step that fits at the recipe's "
+        "seq_len (the step-time model decides) and print its recipe and plan; 'length' is "
+        "--max-context",
     )
     parser.add_argument(
         "--search",
@@ -292,13 +322,21 @@ def main(argv: list[str]) -> int:
             "--styles applies to --sweep seq_len; for one plan or --max-context set "
             "--parallelism.cp_style"
         )
-    if args.search is not None and not args.max_context:
-        parser.error("--search applies to --max-context")
+    if args.objective == "length":
+        args.max_context = True
+    searching = args.max_context or args.objective == "speed"
+    if args.objective == "speed" and (args.max_context or args.sweep):
+        parser.error("--objective speed is a search of its own; leave out --max-context/--sweep")
+    if args.search is not None and not searching:
+        parser.error("--search applies to --max-context and --objective speed")
     styles = args.styles or ["upipe", "ulysses"]
+    if args.device_memory_gib is None:
+        args.device_memory_gib = GPU_MEMORY_GIB[args.gpu]
     budget = Budget(
         device_bytes=int(args.device_memory_gib * GiB),
         host_bytes_per_node=int(args.host_memory_gib * GiB),
         gpus_per_node=args.gpus_per_node,
+        gpu=args.gpu,
     )
     return run_main(lambda: _answer(args, argv, overrides, styles, budget))
 
@@ -326,12 +364,14 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
     )
     summary = {style: best for style, (best, _) in results.items()}
     limits = {style: limit_of(best, plans) for style, (best, plans) in results.items()}
+    speeds = {style: _speed_at(best, plans) for style, (best, plans) in results.items()}
     if args.json:
         print(
             json.dumps(
                 {
                     "max_seq_len": summary,
                     "limited_by": limits,
+                    "tokens_per_s_per_gpu": speeds,
                     "budget": dataclasses.asdict(budget),
                 }
             )
@@ -343,14 +383,23 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
     )
     for style, best in summary.items():
         binds = f", {limits[style]} binds" if limits[style] else ""
-        print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M{binds})")
+        speed = f", {speeds[style]:,.1f} tokens/s per GPU" if speeds[style] else ""
+        print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M{binds}{speed})")
     print(f"wrote {out / SWEEP_FILES[0]} and {out / SWEEP_FILES[1]}")
+
+
+def _speed_at(seq_len: int, plans: list[Plan]) -> float | None:
+    """The predicted tokens/s per GPU of the plan at ``seq_len`` (the longest that fits)."""
+    for plan in plans:
+        if plan.seq_len == seq_len and plan.speed is not None:
+            return plan.speed.tokens_per_s_per_gpu
+    return None
 
 
 def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budget: Budget) -> None:
     """One plan, a sweep or a max-context search, printed."""
     config = parse_args(["--config", args.config, *overrides])
-    if args.max_context:
+    if args.max_context or args.objective == "speed":
         progress = (
             (lambda _: None)
             if args.json
@@ -363,6 +412,7 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
             search=args.search,
             resolution=args.resolution or 0.0,
             log=progress,
+            objective="speed" if args.objective == "speed" else "length",
         )
         command = shlex.join(["python", "-m", "upipe_dtensor.plan", *argv])
         print(

@@ -39,7 +39,12 @@ The search has two phases:
    - ``block_input_prefetch``: without it one (S/C x D) copy per block is not hidden behind the
      previous block's recompute, a fraction of a second per block that takes minutes.
 
-Since relaxing only ever adds memory, the length of phase 1 stays the longest that fits.
+Since relaxing only ever adds memory, the length of phase 1 stays the longest that fits. A
+relaxed setting is kept only if the step-time model (``planning.step_time``, the plan's ``speed``)
+predicts it no slower: the order above is the expected one, the model decides.
+
+``--objective speed`` skips phase 1: at the recipe's own seq_len it starts from every setting at
+its saving end (which must fit) and relaxes the same way, giving the fastest settings that fit.
 """
 
 from __future__ import annotations
@@ -257,6 +262,8 @@ class MaxContext:
     limited_by: str = ""
     """What stops a longer context: "device memory", "host memory" or both (``Plan.exceeds`` of
     the shortest plan found not to fit)."""
+    objective: str = "length"
+    """"length": the longest context; "speed": the fastest settings at the recipe's length."""
 
     @property
     def seq_len(self) -> int:
@@ -278,10 +285,12 @@ class MaxContext:
                     "host_per_node_bytes": p.host_per_node_bytes,
                     "fits": p.fits,
                     "exceeds": p.exceeds,
+                    "tokens_per_s_per_gpu": p.speed.tokens_per_s_per_gpu if p.speed else None,
                 }
                 for s, p in self.plans
             ],
             "seconds": round(self.seconds, 1),
+            "objective": self.objective,
         }
 
 
@@ -297,10 +306,12 @@ def find_max_context(
     search: list[str] | None = None,
     resolution: float = 0.0,
     log: Callable[[str], None] = lambda _: None,
+    objective: str = "length",
 ) -> MaxContext:
     """Run both phases (module docstring) for ``config`` on ``world_size`` GPUs (default: the
     recipe's world, cp x dp_shard). ``search`` names the settings to search (default: all that
-    apply); the rest stay as the recipe has them."""
+    apply); the rest stay as the recipe has them. ``objective="speed"``: only phase 2, at the
+    recipe's seq_len."""
     started = time.perf_counter()
     recipe_world = config.parallelism.world_size
     world_size = world_size or recipe_world
@@ -341,11 +352,12 @@ def find_max_context(
     def plan_at(settings: dict[str, Any], seq_len: int) -> Plan:
         plan = plan_job(configured(settings, seq_len), budget, world_size)
         history.append((dict(settings), plan))
+        speed = f", {plan.speed.tokens_per_s_per_gpu:,.1f} tokens/s per GPU" if plan.speed else ""
         log(
             f"  {seq_len:>12,} tokens, {describe(settings, chosen) or 'recipe settings'}: "
             f"{plan.device_peak_bytes / GiB:7.2f} GiB device, "
             f"{plan.host_per_node_bytes / GiB:8.1f} GiB "
-            f"host/node -> {plan.verdict}"
+            f"host/node -> {plan.verdict}{speed}"
         )
         return plan
 
@@ -360,57 +372,72 @@ def find_max_context(
         )
 
     settings = {knob.name: knob.values[0] for knob in chosen}
-    start = max(granule, start // granule * granule)
+    if objective != "speed":  # the length search moves in granules; a speed search stays put
+        start = max(granule, start // granule * granule)
     check_job(configured(settings, start), world_size)  # bad geometry fails before any plan
     offload = next((k.values for k in chosen if k.name == "fsdp_cpu_offload"), None)
     refuse_impossible(
         base, world_size, budget, offload or (base.training.enable_cpu_offload,)
     )  # a budget below the memory floor fails in seconds, not after a search
-    first = plan_at(settings, start)
-    chunks = next((knob for knob in chosen if knob.name == "sequence_chunks"), None)
-    while chunks is not None and settings[chunks.name] != chunks.values[-1]:
-        # More chunks than the peak needs save nothing (it is outside attention), cost time, and
-        # make each plan slower (n(n+1)/2 chunk pairs): start from the fewest that save as much.
-        fewer = {
-            **settings,
-            chunks.name: chunks.values[chunks.values.index(settings[chunks.name]) + 1],
-        }
-        trial = plan_at(fewer, start)
-        if (
-            trial.device_peak_bytes > first.device_peak_bytes
-            or trial.host_per_node_bytes > first.host_per_node_bytes
-        ):
-            break
-        settings, first = fewer, trial
-    best, plans = longest(settings, first)
-    host_bound = limit_of(best, plans) == "host memory"
-    # The settings that trade device memory for host memory, switched the other way.
-    trade, why = (
-        ("fsdp_cpu_offload", "host memory: searching again without FSDP CPU offload")
-        if host_bound
-        else ("blocks_per_checkpoint", "device memory: searching again checkpointing each block")
-    )
-    knob = next((k for k in chosen if k.name == trade), None)
-    if knob is not None and settings[trade] == knob.values[0]:
-        log(f"  the limit is {why}")
-        other = {**settings, trade: knob.values[1]}
-        longer, more = longest(other, plan_at(other, max(best, granule)))
-        if longer > best:
-            best, plans, settings = longer, more, other
-    if best == 0:
-        raise ConfigError(
-            f"not even {granule:,} tokens fit {budget.device_bytes / GiB:g} GiB per GPU and "
-            f"{budget.host_bytes_per_node / GiB:g} GiB host per node: "
-            + min(plans, key=lambda p: p.seq_len).render()
+    if objective == "speed":
+        best = start
+        found = plan_at(settings, best)
+        plans = [found]
+        if not found.fits:
+            raise ConfigError(
+                f"{best:,} tokens do not fit even with every searched setting at its most "
+                "memory-saving value: " + found.render()
+            )
+    else:
+        first = plan_at(settings, start)
+        chunks = next((knob for knob in chosen if knob.name == "sequence_chunks"), None)
+        while chunks is not None and settings[chunks.name] != chunks.values[-1]:
+            # More chunks than the peak needs save nothing (it is outside attention), cost time, and
+            # make each plan slower (n(n+1)/2 chunk pairs): start from the fewest that save as much.
+            fewer = {
+                **settings,
+                chunks.name: chunks.values[chunks.values.index(settings[chunks.name]) + 1],
+            }
+            trial = plan_at(fewer, start)
+            if (
+                trial.device_peak_bytes > first.device_peak_bytes
+                or trial.host_per_node_bytes > first.host_per_node_bytes
+            ):
+                break
+            settings, first = fewer, trial
+        best, plans = longest(settings, first)
+        host_bound = limit_of(best, plans) == "host memory"
+        # The settings that trade device memory for host memory, switched the other way.
+        trade, why = (
+            ("fsdp_cpu_offload", "host memory: searching again without FSDP CPU offload")
+            if host_bound
+            else (
+                "blocks_per_checkpoint",
+                "device memory: searching again checkpointing each block",
+            )
         )
-    found = next(p for p in reversed(plans) if p.seq_len == best and p.fits)
+        knob = next((k for k in chosen if k.name == trade), None)
+        if knob is not None and settings[trade] == knob.values[0]:
+            log(f"  the limit is {why}")
+            other = {**settings, trade: knob.values[1]}
+            longer, more = longest(other, plan_at(other, max(best, granule)))
+            if longer > best:
+                best, plans, settings = longer, more, other
+        if best == 0:
+            raise ConfigError(
+                f"not even {granule:,} tokens fit {budget.device_bytes / GiB:g} GiB per GPU and "
+                f"{budget.host_bytes_per_node / GiB:g} GiB host per node: "
+                + min(plans, key=lambda p: p.seq_len).render()
+            )
+        found = next(p for p in reversed(plans) if p.seq_len == best and p.fits)
     for knob in chosen:
         for value in knob.values[knob.values.index(settings[knob.name]) + 1 :]:
             trial = {**settings, knob.name: value}
             plan = plan_at(trial, best)
             if not plan.fits:
                 break
-            settings, found = trial, plan
+            if _no_slower(plan, found):
+                settings, found = trial, plan
     return MaxContext(
         configured(settings, best),
         found,
@@ -420,7 +447,15 @@ def find_max_context(
         history,
         time.perf_counter() - started,
         limit_of(best, plans),
+        objective,
     )
+
+
+def _no_slower(plan: Plan, than: Plan) -> bool:
+    """Whether ``plan`` is predicted at least as fast as ``than`` (True without predictions)."""
+    if plan.speed is None or than.speed is None:
+        return True
+    return plan.speed.step_time_s <= than.speed.step_time_s
 
 
 def limit_of(best: int, plans: list[Plan]) -> str:
@@ -469,8 +504,19 @@ def recipe_toml(result: MaxContext, command: str) -> str:
             )
     recipe = Path(config.config_file or "recipe.toml")
     nodes = -(-plan.world_size // budget.gpus_per_node)
+    goal = (
+        "The fastest settings the planner finds"
+        if result.objective == "speed"
+        else "The longest context the planner finds"
+    )
+    speed = (
+        f" Predicted: {plan.speed.tokens_per_s_per_gpu:,.1f} tokens/s per GPU on "
+        f"{plan.speed.profile}."
+        if plan.speed
+        else ""
+    )
     header = [
-        f"The longest context the planner finds for [model] flavor {config.model.flavor!r} on "
+        f"{goal} for [model] flavor {config.model.flavor!r} on "
         f"{plan.world_size} GPUs ({nodes} node{'s' if nodes > 1 else ''} of "
         f"{min(plan.world_size, budget.gpus_per_node)}) with {budget.device_bytes / GiB:g} GiB "
         "each and "
@@ -478,7 +524,8 @@ def recipe_toml(result: MaxContext, command: str) -> str:
         f"({plan.seq_len / 2**20:.2f}M), {plan.attention}.",
         f"Planner: peak {plan.device_peak_bytes / GiB:.2f} GiB per GPU ({plan.device_peak_when}), "
         f"host {plan.host_per_node_bytes / GiB:,.1f} GiB per node"
-        + (f"; a longer context exceeds {result.limited_by}." if result.limited_by else "."),
+        + (f"; a longer context exceeds {result.limited_by}." if result.limited_by else ".")
+        + speed,
         f"Found by: {command} ({len(result.plans)} plans, {result.seconds / 60:.1f} min).",
         "Searched, most memory-saving first: "
         + "; ".join(f"{k.name} {', '.join(k.show(v) for v in k.values)}" for k in result.searched)

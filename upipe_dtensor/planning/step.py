@@ -31,6 +31,9 @@ from upipe_dtensor.jobs.parallelize import build_meshes, describe_cp_style
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.parallel.projections import forget_head_indices
+from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
+from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
+from upipe_dtensor.planning.step_work import StepWorkCounter
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker
 
 GiB = 2**30
@@ -97,6 +100,8 @@ class Budget:
     host_bytes_per_node: int = 2048 * GiB
     """Host RAM per node."""
     gpus_per_node: int = 8
+    gpu: str = "h100-sxm"
+    """The GPU kind whose hardware profile prices the step (``hardware.GPU_PROFILES``)."""
 
 
 @dataclass
@@ -124,6 +129,8 @@ class Plan:
     document_metadata_bytes: int = 0
     """Device bytes of the document options ([training] position_ids = 'document'): this rank's
     int64 positions, per micro-batch (the document ids live in host memory)."""
+    speed: StepTime | None = None
+    """The predicted step time on the plan's hardware profile (None: no profile given)."""
 
     @property
     def fits_device(self) -> bool:
@@ -161,12 +168,18 @@ class Plan:
         )
 
     def as_dict(self) -> dict:
+        speed = self.speed
         return {
-            **dataclasses.asdict(self),
+            **{name: value for name, value in dataclasses.asdict(self).items() if name != "speed"},
+            "speed": speed.as_dict() if speed else None,
             "fits": self.fits,
             "fits_device": self.fits_device,
             "fits_host": self.fits_host,
             "exceeds": self.exceeds,
+            "step_time_s": speed.step_time_s if speed else None,
+            "tokens_per_s_per_gpu": speed.tokens_per_s_per_gpu if speed else None,
+            "mfu": speed.mfu if speed else None,
+            "time_breakdown_s": speed.time_breakdown_s if speed else None,
         }
 
     def render(self) -> str:
@@ -197,6 +210,7 @@ class Plan:
                 else []
             ),
             f"  fits: {'yes' if self.fits else f'NO ({self.exceeds})'}",
+            *(self.speed.render() if self.speed else []),
         ]
         return "\n".join(lines)
 
@@ -258,16 +272,25 @@ def document_metadata_bytes(config: JobConfig) -> int:
     return positions if training.position_ids == "document" else 0
 
 
-def tracked_step(trainer: Trainer, tracker: LiveMemoryTracker, config: JobConfig) -> None:
+def tracked_step(
+    trainer: Trainer,
+    tracker: LiveMemoryTracker,
+    config: JobConfig,
+    counter: StepWorkCounter | None = None,
+) -> None:
     """The measured step, the same for a plan and for a real run: the optimizer state is set up
     first (AdamW creates it lazily; one step on zero gradients), then one training step on a
-    batch of token ids is tracked from its start."""
+    batch of token ids is tracked from its start (and its work counted by ``counter`` up to the
+    optimizer step, which the time model charges per parameter)."""
     _watch_progress(trainer, tracker)
     for param in trainer.model.parameters():
         param.grad = torch.zeros_like(param)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     tracker.start_step()
+    if counter is not None:
+        counter.counting = True
+        trainer.optimizer.register_step_pre_hook(lambda *_: setattr(counter, "counting", False))
     training = config.training
     tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
     trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
@@ -280,13 +303,17 @@ def plan_job(
     *,
     target: str = "cuda",
     allowances: CudaAllowances | None = None,
+    profile: HardwareProfile | None = None,
 ) -> Plan:
-    """Run one fake training step of ``config`` as rank 0 and report its memory.
+    """Run one fake training step of ``config`` as rank 0 and report its memory and, priced with
+    a hardware ``profile``, its time (``planning.step_time``).
 
     ``target="cuda"`` models a GPU run (bf16 mixed precision, offloaded activations on the
     host, flash-attn's backward workspace, and the ``allowances`` for what CUDA holds outside
-    the step); ``target="cpu"`` models a CPU run (float32, host and device are one memory, no
-    allowances), which the tests compare with real CPU runs.
+    the step), priced with the budget's GPU profile unless ``profile`` is given;
+    ``target="cpu"`` models a CPU run (float32, host and device are one memory, no allowances;
+    timed only with a given ``profile``, such as the measured one of
+    ``benchmarks/cpu_profile.py``), which the tests compare with real CPU runs.
     """
     host = HOST if target == "cuda" else DEVICE
     budget = budget or Budget()
@@ -304,7 +331,8 @@ def plan_job(
     try:
         meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
         tracker = LiveMemoryTracker()
-        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker:
+        counter = StepWorkCounter(DEVICE, host, budget.gpus_per_node)
+        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker, counter:
             placement = Placement(
                 meshes=meshes,
                 device=DEVICE,
@@ -313,7 +341,7 @@ def plan_job(
                 kernel_device=target,
             )
             trainer = Trainer(config, placement=placement)
-            tracked_step(trainer, tracker, config)
+            tracked_step(trainer, tracker, config, counter)
         peak = tracker.peaks[str(DEVICE)]
         breakdown = {label: nbytes for label, nbytes in peak.by_label.items() if nbytes > 0}
         device_peak = peak.bytes
@@ -334,6 +362,10 @@ def plan_job(
         dist.destroy_process_group()
     ranks_per_node = min(world_size, budget.gpus_per_node)
     n_heads = trainer.model.model_args.n_heads
+    profile = profile or (GPU_PROFILES[budget.gpu] if target == "cuda" else None)
+    speed = None
+    if profile is not None:
+        speed = predict_step_time(counter.work, _step_shape(trainer, config, target), profile)
     return Plan(
         config_file=config.config_file,
         seq_len=config.training.seq_len,
@@ -350,4 +382,27 @@ def plan_job(
         host_per_node_bytes=host_peak * ranks_per_node,
         budget=budget,
         document_metadata_bytes=document_metadata_bytes(config),
+        speed=speed,
+    )
+
+
+def _step_shape(trainer: Trainer, config: JobConfig, target: str) -> StepShape:
+    """What the time model needs of the job besides the counted work."""
+    training, parallelism = config.training, config.parallelism
+    model = trainer.model
+    args = model.model_args
+    _, flops_per_token = args.get_nparams_and_flops(model, training.seq_len)
+    attention_square = 6 * args.n_layers * args.n_heads * 2 * (args.dim // args.n_heads)
+    return StepShape(
+        backend=trainer.setup.attention_backend if target == "cuda" else "cpu",
+        tokens_per_gpu=training.local_batch_size
+        * training.gradient_accumulation_steps
+        * training.seq_len
+        // parallelism.context_parallel_degree,
+        local_params=sum(_local_bytes(p) // p.element_size() for p in model.parameters()),
+        optimizer_on_host=training.enable_cpu_offload,
+        all_gathers_per_step=2 if parallelism.fsdp_reshard_after_forward else 1,
+        block_inputs_prefetched=config.activation_checkpoint.cpu_offload_prefetch,
+        flops_per_token_causal=flops_per_token - attention_square * training.seq_len / 2,
+        flops_per_token_torchtitan=flops_per_token,
     )

@@ -90,8 +90,10 @@ def _frame_label(code: types.CodeType) -> str:
     return _PASS
 
 
-def _label_from_stack() -> str | None:
-    frame = sys._getframe(2)
+def label_from_stack() -> str | None:
+    """The label of whoever is allocating now: the innermost frame a rule decides (None: stop, or
+    no rule matched). Frames of the tracker itself match no rule, so any caller may ask."""
+    frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         label = _FRAME_LABELS.get(code)
@@ -140,7 +142,7 @@ class LiveMemoryTracker(TorchDispatchMode):
     def _label(self) -> str:
         if self._setup:
             return MODEL_STATES
-        label = _label_from_stack()
+        label = label_from_stack()
         if label is None:
             label = LOSS if self.in_head else OTHER
         return label

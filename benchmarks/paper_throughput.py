@@ -1,0 +1,165 @@
+"""The step-time model against the UPipe paper's throughput table (Table 3, tokens/s per GPU on
+H100s), for every cell our recipes express. A check, never a fit: the model's constants come from
+hardware and kernel sources (``planning/hardware.py``) and none of them was set from this table.
+
+Each cell is the recipe of that model, style and length with the paper's stack: FA3 kernels and
+the model states on the GPU (``[training] enable_cpu_offload = false``); for 32B on 16 GPUs the
+paper's layout for Ulysses and UPipe, 8-way heads inside a node times a ring of 2 across the nodes
+(``ring_degree = 2``; U = 8). The rest (block inputs offloaded to the host, tiled MLP, chunked
+loss, FPDT's chunks) is the recipe's, as in the paper's runs. Native PyTorch CP is not a style
+here.
+
+    python benchmarks/paper_throughput.py --out outputs/paper_throughput.json   # ~1 h on 2 cores
+    python benchmarks/paper_throughput.py --table outputs/paper_throughput.json
+
+Cells already in ``--out`` are kept (the run can be resumed); ``--table`` prints the markdown
+table of cells, errors and the ratios UPipe/Ulysses, FPDT/UPipe and ring/Ulysses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from upipe_dtensor.config import parse_args
+from upipe_dtensor.planning.hardware import H100_SXM, HardwareProfile
+from upipe_dtensor.planning.step import plan_job
+from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
+from upipe_dtensor.planning.step_work import StepWork
+
+REPO = Path(__file__).resolve().parents[1]
+LENGTHS = ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M")
+PAPER = {
+    # (model, style): tokens/s per GPU by length, the paper's Table 3 (None: OOM or not run)
+    ("8B", "ring"): (2064.90, 1387.67, 841.05, 458.51, 237.99, 159.96, None, None),
+    ("8B", "ulysses"): (2320.47, 1503.80, 878.63, 475.33, 246.05, 162.41, None, None),
+    ("8B", "fpdt"): (1171.68, 884.75, 621.20, 382.42, 219.53, 153.48, 119.76, None),
+    ("8B", "upipe"): (2281.05, 1487.29, 867.17, 472.53, 246.07, 166.32, 125.56, 98.25),
+    ("32B", "ring"): (418.39, 308.88, 194.44, 110.27, 58.45, None, None, None),
+    ("32B", "ulysses"): (545.29, 370.70, 217.04, 117.02, 59.98, None, None, None),
+    ("32B", "fpdt"): (286.40, 217.85, 151.91, 95.88, 55.41, 38.86, 27.66, None),
+    ("32B", "upipe"): (483.29, 339.56, 204.46, 113.26, 59.56, 40.42, 29.97, None),
+}
+PAPER_STACK = [
+    "--parallelism.attention_backend",
+    "fa3",
+    "--training.enable_cpu_offload",
+    "false",
+]
+TWO_D = {  # the paper's 32B layout for the head-parallel styles: 8 heads-way x a ring of 2
+    "upipe": ["--parallelism.ring_degree", "2", "--parallelism.heads_per_stage", "8"],
+    "ulysses": ["--parallelism.ring_degree", "2"],
+}
+
+
+def recipe(model: str, style: str, length: str) -> Path | None:
+    """The recipe file of a cell, or None when none expresses it."""
+    name = f"llama3_{model.lower()}{'' if style == 'upipe' else '_' + style}_{length}.toml"
+    path = REPO / "recipes" / ("" if style == "upipe" else "baselines") / name
+    return path if path.exists() else None
+
+
+def cells() -> list[tuple[str, str, str, float, Path]]:
+    """Every expressible cell, shortest contexts first (a partial run covers every style)."""
+    found = []
+    for (model, style), row in PAPER.items():
+        for length, paper in zip(LENGTHS, row):
+            path = recipe(model, style, length)
+            if paper is not None and path is not None:
+                found.append((model, style, length, paper, path))
+    return sorted(found, key=lambda cell: (LENGTHS.index(cell[2]), cell[0], cell[1]))
+
+
+def predict(model: str, style: str, path: Path) -> dict:
+    overrides = PAPER_STACK + (TWO_D.get(style, []) if model == "32B" else [])
+    config = parse_args(["--config", str(path), *overrides])
+    started = time.perf_counter()
+    plan = plan_job(config)
+    return {
+        "recipe": str(path.relative_to(REPO)),
+        "overrides": overrides,
+        "work": plan.speed.counted.to_json(),
+        "shape": dataclasses.asdict(plan.speed.shape),
+        "device_peak_gib": plan.device_peak_bytes / 2**30,
+        "planned_in_s": time.perf_counter() - started,
+    }
+
+
+def priced(cell: dict, profile: HardwareProfile) -> StepTime:
+    """A saved cell's counted work priced with ``profile`` (the current model, no new trace)."""
+    return predict_step_time(StepWork.from_json(cell["work"]), StepShape(**cell["shape"]), profile)
+
+
+def run(out: Path) -> None:
+    results = json.loads(out.read_text()) if out.exists() else {}
+    for model, style, length, paper, path in cells():
+        key = f"{model} {style} {length}"
+        if key in results:
+            continue
+        result = predict(model, style, path)
+        results[key] = {"paper": paper, **result}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        temporary = out.with_suffix(".tmp")
+        temporary.write_text(json.dumps(results, indent=1))
+        temporary.replace(out)
+        speed = priced(results[key], H100_SXM).tokens_per_s_per_gpu
+        print(f"{key}: {speed:.1f} vs {paper} ({speed / paper - 1:+.1%})", flush=True)
+
+
+def table(results: dict, profile: HardwareProfile = H100_SXM) -> str:
+    speeds = {key: priced(cell, profile).tokens_per_s_per_gpu for key, cell in results.items()}
+    lines = [
+        "| model | style | length | paper tokens/s/GPU | predicted | error |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    errors = []
+    for key, cell in results.items():
+        model, style, length = key.split()
+        error = speeds[key] / cell["paper"] - 1
+        errors.append(abs(error))
+        lines.append(
+            f"| {model} | {style} | {length} | {cell['paper']:.2f} | {speeds[key]:.2f} | "
+            f"{error:+.1%} |"
+        )
+    if errors:
+        lines.append(
+            f"\n{len(errors)} cells; mean |error| {sum(errors) / len(errors):.1%}, "
+            f"largest {max(errors):.1%}; within 15%: {sum(e <= 0.15 for e in errors)}."
+        )
+    lines += [
+        "",
+        "| model | ratio | length | paper | predicted | difference |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for model in ("8B", "32B"):
+        for top, bottom in (("upipe", "ulysses"), ("fpdt", "upipe"), ("ring", "ulysses")):
+            for length in LENGTHS:
+                keys = [f"{model} {style} {length}" for style in (top, bottom)]
+                if all(key in results for key in keys):
+                    paper = results[keys[0]]["paper"] / results[keys[1]]["paper"]
+                    ours = speeds[keys[0]] / speeds[keys[1]]
+                    lines.append(
+                        f"| {model} | {top}/{bottom} | {length} | {paper:.3f} | {ours:.3f} | "
+                        f"{ours - paper:+.3f} |"
+                    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="run the cells, results (JSON) here")
+    parser.add_argument("--table", type=Path, help="print the markdown table of a results file")
+    args = parser.parse_args(argv)
+    if args.out:
+        run(args.out)
+    if args.table or args.out:
+        print(table(json.loads((args.table or args.out).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,202 @@
+"""The step-time model: what the traced step counts, checked against references we did not write
+(torch's FlopCounterMode, a brute-force causal mask, torchtitan's parameter count, the
+communication formulas that test_communication.py checks byte for byte on gloo), and the overlap
+rules on hand-made work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+from torchtitan.models.llama3.model.model import Transformer
+
+from upipe_dtensor.config import parse_args
+from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.planning.communication_volume import layer_traffic
+from upipe_dtensor.planning.hardware import H100_SXM, H200
+from upipe_dtensor.planning.step import plan_job
+from upipe_dtensor.planning.step_time import StepShape, predict_step_time
+from upipe_dtensor.planning.step_work import StepWork, Traffic, attention_flops, visible_pairs
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "recipes/debug_model.toml")
+
+
+@pytest.mark.parametrize("seq_q,seq_k", [(7, 7), (3, 9), (9, 3), (1, 5), (6, 1)])
+def test_visible_pairs_match_the_causal_mask(seq_q: int, seq_k: int) -> None:
+    mask = torch.ones(seq_q, seq_k).tril(diagonal=seq_k - seq_q)  # aten's bottom-right alignment
+    assert visible_pairs(seq_q, seq_k, causal=True) == int(mask.sum())
+    assert visible_pairs(seq_q, seq_k, causal=False) == seq_q * seq_k
+
+
+def test_attention_flops_match_flop_counter_mode_for_a_full_block() -> None:
+    """torch's own formula for the (B, h, S, d) SDPA ops, forward and backward; a causal call
+    counts only its visible pairs (FlopCounterMode counts the square either way)."""
+    batch, heads, seq, dim = 2, 4, 96, 32
+    with FakeTensorMode():
+        q, k, v = (torch.empty(batch, heads, seq, dim) for _ in range(3))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, False
+            )
+            seed = torch.empty((), dtype=torch.long)
+            torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                out, q, k, v, None, out, lse, seed, seed, 0.0, [True] * 3 + [False], False
+            )
+    counts = {op.__name__: flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    forward = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    assert attention_flops(forward, (q, k, v, None, True, 0.0, False)) == (
+        "efficient",
+        "forward full",
+        counts["_scaled_dot_product_efficient_attention"],
+    )
+    args = (out, q, k, v, None, out, lse, None, None, 0.0, None, False)
+    assert (
+        attention_flops(backward, args)[2]
+        == counts["_scaled_dot_product_efficient_attention_backward"]
+    )
+    causal = attention_flops(forward, (q, k, v, None, True, 0.0, True))
+    assert causal[1] == "forward causal"
+    assert causal[2] == 4 * batch * heads * dim * seq * (seq + 1) // 2
+
+
+def _debug_plan(*extra: str):
+    config = parse_args(["--config", DEBUG, "--training.seq_len", "512", *extra])
+    return config, plan_job(config)
+
+
+def test_matmul_flops_are_six_per_parameter_and_token_without_recompute() -> None:
+    """No activation checkpointing: every Linear of torchtitan's model does 2 FLOPs per weight and
+    token forward and 4 backward, however the attention op, the MLP tiles and the loss chunks
+    run them (torchtitan's 6 N per token), plus 2 per token for wq, wk and wv, which the
+    attention op projects again in its backward instead of saving Q, K, V."""
+    config, plan = _debug_plan(
+        "--parallelism.cp_style", "ulysses", "--activation_checkpoint.mode", "none"
+    )
+    with torch.device("meta"):
+        model = Transformer(model_args(config.model, 512))
+    linear_params = sum(
+        module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear)
+    )
+    projections = sum(
+        getattr(block.attention, name).weight.numel()
+        for block in model.layers.values()
+        for name in ("wq", "wk", "wv")
+    )
+    tokens = config.training.local_batch_size * 512 // config.parallelism.context_parallel_degree
+    assert plan.speed.work["matmul FLOPs"] == (6 * linear_params + 2 * projections) * tokens
+
+
+@pytest.mark.parametrize("style", ["upipe", "ulysses"])
+def test_all_to_all_bytes_equal_the_communication_formulas(style: str) -> None:
+    """The bytes the trace sends equal ``layer_traffic`` (full checkpointing: forward, recompute,
+    backward), the formulas test_communication.py checks against counted gloo sends."""
+    config, plan = _debug_plan(
+        "--parallelism.cp_style", style, "--activation_checkpoint.mode", "full"
+    )
+    args = model_args(config.model, 512)
+    traffic = layer_traffic(
+        style,
+        seq_len=512,
+        batch=config.training.local_batch_size,
+        cp=2,
+        ring_degree=1,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads or args.n_heads,
+        head_dim=args.dim // args.n_heads,
+        heads_per_stage=2 if style == "upipe" else args.n_heads,
+        dtype_bytes=2,
+    )
+    all_to_all, _ = traffic.per_step(recompute=True)
+    assert plan.speed.work["all_to_all bytes, inside a node"] == args.n_layers * all_to_all
+
+
+def test_ring_hides_behind_attention_and_counts_its_sends() -> None:
+    _, plan = _debug_plan("--parallelism.cp_style", "ring")
+    assert plan.speed.work["p2p bytes, inside a node"] > 0
+    assert "all_to_all bytes, inside a node" not in plan.speed.work
+    assert plan.speed.time_breakdown_s["exposed head all-to-all"] == 0
+
+
+def test_planner_json_has_the_speed_fields() -> None:
+    _, plan = _debug_plan()
+    report = plan.as_dict()
+    assert report["step_time_s"] == pytest.approx(sum(report["time_breakdown_s"].values()))
+    tokens = 4 * 512 // 2
+    assert report["tokens_per_s_per_gpu"] == pytest.approx(tokens / report["step_time_s"])
+    assert 0 < report["mfu"] < report["speed"]["mfu_torchtitan"]
+
+
+def _shape(**changes) -> StepShape:
+    values = dict(
+        backend="fa3",
+        tokens_per_gpu=1000,
+        local_params=10**9,
+        optimizer_on_host=False,
+        all_gathers_per_step=2,
+        block_inputs_prefetched=True,
+        flops_per_token_causal=1e9,
+        flops_per_token_torchtitan=2e9,
+    )
+    return StepShape(**{**values, **changes})
+
+
+def _work(**changes) -> StepWork:
+    work = StepWork(
+        matmul_flops=792e12,  # 1 s on H100
+        attention_flops={("flash", "forward causal"): 616e12, ("flash", "backward"): 561e12},
+        memory_bytes=0.0,
+    )
+    for name, value in changes.items():
+        setattr(work, name, value)
+    return work
+
+
+def test_overlap_rules() -> None:
+    """Compute 3 s (1 s matmul, 2 s FA3 attention); each rule of step_time's docstring."""
+    base = predict_step_time(_work(), _shape(), H100_SXM)
+    assert base.time_breakdown_s["compute"] == pytest.approx(3.0)
+    assert base.compute_s["attention forward"] == pytest.approx(1.0)
+    exposed = base.time_breakdown_s
+    communication = {
+        ("all_to_all", False): Traffic(335e9, 10),  # 1 s on NVLink, all exposed
+        ("p2p", True): Traffic(47e9 * 1.5, 4),  # 1.5 s across nodes, under 2 s of attention
+        ("all_gather", False): Traffic(370e9 * 2, 2),  # 2 s, under 3 s of compute: 1 exposed
+    }
+    timed = predict_step_time(_work(communication=communication), _shape(), H100_SXM)
+    parts = timed.time_breakdown_s
+    assert parts["exposed head all-to-all"] == pytest.approx(1.0)
+    assert parts["exposed ring p2p"] == 0
+    assert parts["exposed FSDP collectives"] == pytest.approx(1.0)  # the first all-gather
+    assert parts["collective latency"] == pytest.approx(10 * 11e-6)
+    slow_ring = {("p2p", True): Traffic(47e9 * 2.5, 4)}
+    assert predict_step_time(_work(communication=slow_ring), _shape(), H100_SXM).time_breakdown_s[
+        "exposed ring p2p"
+    ] == pytest.approx(0.5)
+    host = {("activation offload", "to device"): 26e9, ("activation offload", "to host"): 26e9}
+    prefetched = predict_step_time(_work(host_bytes=host), _shape(), H100_SXM)
+    assert prefetched.time_breakdown_s["exposed host transfers"] == 0
+    waited = predict_step_time(
+        _work(host_bytes=host), _shape(block_inputs_prefetched=False), H100_SXM
+    )
+    assert waited.time_breakdown_s["exposed host transfers"] == pytest.approx(1.0)
+    assert exposed["optimizer"] == pytest.approx(28e9 / 3350e9)
+    on_host = predict_step_time(_work(), _shape(optimizer_on_host=True), H100_SXM)
+    assert on_host.time_breakdown_s["optimizer"] == pytest.approx(1e9 / 300e6)
+    # The fp32 shards' copies (3 x 4 GB: two all-gathers, the gradients) hide behind 3 s of
+    # compute, not behind 0.1 s.
+    assert on_host.time_breakdown_s["exposed host transfers"] == 0
+    short = _work(matmul_flops=79.2e12, attention_flops={})
+    brief = predict_step_time(short, _shape(optimizer_on_host=True), H100_SXM)
+    assert brief.time_breakdown_s["exposed host transfers"] == pytest.approx(12e9 / 26e9 - 0.1)
+    assert base.mfu == pytest.approx(1000 * 1e9 / (base.step_time_s * 989e12))
+    # H200: the same compute, faster memory.
+    assert predict_step_time(_work(), _shape(), H200).step_time_s < base.step_time_s

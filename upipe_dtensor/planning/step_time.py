@@ -1,0 +1,191 @@
+"""How long one training step takes: the traced step's counted work (``step_work``) priced with a
+hardware profile (``hardware``), with the overlap rules of the code as it runs today.
+
+Time on one rank, all ranks of a CP job doing the same work:
+
+- compute, serial on the compute stream: matmul FLOPs / achieved matmul FLOP/s + attention FLOPs
+  / the kernel's FLOP/s (forward causal, forward full, backward; FlashAttention's counting) +
+  the bytes of every other op / memory bandwidth + a fixed dispatch cost per op (zero on a GPU,
+  where launches run ahead of the kernels; measured on CPU);
+- head all-to-alls (UPipe, Ulysses, FPDT): exposed whole. ``parallel/all_to_all.py`` waits for
+  each before the op that uses it, and nothing else runs meanwhile; plus a fixed latency per call;
+- ring point-to-point (ring attention, 2D): posted before a block's kernel and waited after it
+  (``parallel/ring.py``), so hidden behind attention compute; exposed = max(0, ring - attention);
+- FSDP2's all-gathers and reduce-scatters: on their own streams, the next block's all-gather
+  prefetched while the current block computes and each reduce-scatter overlapping the next
+  block's backward, so exposed = max(0, FSDP - compute) + one all-gather (the step's first,
+  which nothing precedes); all-reduces (loss, gradient norm) exposed;
+- host <-> device copies share the host link (``host_link_bytes_per_s`` per GPU, all GPUs
+  copying at once): side-stream copies overlap compute, except the block inputs fetched back in
+  backward when ``cpu_offload_prefetch`` is off, which the compute stream waits for;
+  exposed = waited copies + max(0, the others - compute). FSDP CPU offload adds the fp32
+  parameter shards' host-to-device copies (each all-gather) and the gradients' way back;
+- the optimizer, after backward: on the GPU AdamW reads and writes 28 bytes per parameter of the
+  shard (fp32 parameter, gradient, two moments); offloaded, the host runs it at
+  ``host_adamw_params_per_s``.
+
+Not modelled: contention between concurrent collectives on one link, kernel launch gaps (eager
+PyTorch on the CPU side), the CPU work of Python between kernels, stragglers. MFU is printed two
+ways: causal-aware (attention counted at the half of the square a causal mask computes) and
+torchtitan's (``get_dense_model_nparams_and_flops``: the full square).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from upipe_dtensor.planning.hardware import HardwareProfile
+from upipe_dtensor.planning.step_work import StepWork
+
+ADAMW_BYTES_PER_PARAM = 28
+"""fp32 parameter (read, write), gradient (read), two moments (read, write each): 7 x 4 bytes."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the model needs to know of the job besides the counted work."""
+
+    backend: str
+    """The attention backend the flash-family ops run (fa3, fa4, flash, sdpa) or "cpu"."""
+    tokens_per_gpu: int
+    """Tokens one rank trains on per step (local batch x accumulation x seq_len / cp)."""
+    local_params: int
+    """This rank's share of the parameters (the optimizer's work)."""
+    optimizer_on_host: bool
+    """FSDP CPU offload: the optimizer runs on the host, fp32 shards cross the host link."""
+    all_gathers_per_step: int
+    """How many times each parameter is gathered per step (2 with reshard after forward)."""
+    block_inputs_prefetched: bool
+    flops_per_token_causal: float
+    flops_per_token_torchtitan: float
+
+
+@dataclass
+class StepTime:
+    """The predicted step of one rank; seconds, and throughput per GPU."""
+
+    profile: str
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    """Causal-aware model FLOPs utilisation."""
+    mfu_torchtitan: float
+    time_breakdown_s: dict[str, float]
+    compute_s: dict[str, float]
+    """Compute by kind: matmul, attention forward, attention backward, memory-bound ops."""
+    work: dict[str, float]
+    """What was counted in the traced step (``StepWork.summary``)."""
+    counted: StepWork = field(repr=False)
+    shape: StepShape = field(repr=False)
+    """The inputs of the prediction, to price the same step on another profile."""
+
+    def as_dict(self) -> dict:
+        return {
+            name: value for name, value in asdict(self).items() if name not in ("counted", "shape")
+        }
+
+    def render(self) -> list[str]:
+        """Lines for the plan's report."""
+        lines = [
+            f"  step time ({self.profile}, predicted): {_seconds(self.step_time_s)}, "
+            f"{self.tokens_per_s_per_gpu:,.1f} tokens/s per GPU, MFU {self.mfu:.1%} "
+            f"(torchtitan's formula: {self.mfu_torchtitan:.1%})"
+        ]
+        for label, seconds in self.time_breakdown_s.items():
+            share = seconds / self.step_time_s if self.step_time_s else 0.0
+            lines.append(f"    {label:<42s} {_seconds(seconds):>10s}  {share:6.1%}")
+            if label == "compute":
+                for kind, part in self.compute_s.items():
+                    lines.append(f"      {kind:<40s} {_seconds(part):>10s}")
+        return lines
+
+
+def _seconds(value: float) -> str:
+    """Seconds or milliseconds, three significant digits."""
+    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+def _comm_seconds(work: StepWork, profile: HardwareProfile, kind: str) -> tuple[float, int]:
+    """(seconds on the wire, calls) of one kind of collective."""
+    intra = {
+        "all_to_all": profile.all_to_all_bus_bytes_per_s,
+        "p2p": profile.p2p_bytes_per_s,
+    }.get(kind, profile.collective_bus_bytes_per_s)
+    seconds, calls = 0.0, 0
+    for (name, crosses), traffic in work.communication.items():
+        if name == kind:
+            rate = profile.inter_node_bytes_per_s if crosses else intra
+            seconds += traffic.bytes / rate
+            calls += traffic.calls
+    return seconds, calls
+
+
+def predict_step_time(work: StepWork, shape: StepShape, profile: HardwareProfile) -> StepTime:
+    """The step's time by the rules of the module docstring."""
+    attention = {"forward causal": 0.0, "forward full": 0.0, "backward": 0.0}
+    for (family, direction), flops in work.attention_flops.items():
+        kernel = shape.backend if family == "flash" else family
+        rates = profile.attention_rates(kernel)
+        rate = {
+            "forward causal": rates.forward_causal,
+            "forward full": rates.forward_full,
+            "backward": rates.backward,
+        }[direction]
+        attention[direction] += flops / rate
+    compute = {
+        "matmul": work.matmul_flops / profile.matmul_flops,
+        "attention forward": attention["forward causal"] + attention["forward full"],
+        "attention backward": attention["backward"],
+        "memory-bound ops": work.memory_bytes / profile.memory_bytes_per_s,
+        "op dispatch": work.ops * profile.op_overhead_s,
+    }
+    compute_s = sum(compute.values())
+    attention_s = compute["attention forward"] + compute["attention backward"]
+
+    a2a_s, a2a_calls = _comm_seconds(work, profile, "all_to_all")
+    ring_s, _ = _comm_seconds(work, profile, "p2p")
+    gather_s, gather_calls = _comm_seconds(work, profile, "all_gather")
+    scatter_s, _ = _comm_seconds(work, profile, "reduce_scatter")
+    reduce_s, reduce_calls = _comm_seconds(work, profile, "all_reduce")
+    first_gather = gather_s / gather_calls if gather_calls else 0.0
+    fsdp_exposed = max(0.0, gather_s + scatter_s - compute_s) + first_gather
+
+    host = dict(work.host_bytes)
+    shard_bytes = 4 * shape.local_params
+    host_rate = profile.host_link_bytes_per_s
+    waited = (
+        0.0 if shape.block_inputs_prefetched else host.get(("activation offload", "to device"), 0.0)
+    )
+    overlapped = sum(host.values()) - waited
+    if shape.optimizer_on_host:
+        overlapped += shard_bytes * (shape.all_gathers_per_step + 1)
+        optimizer_s = shape.local_params / profile.host_adamw_params_per_s
+    else:
+        optimizer_s = ADAMW_BYTES_PER_PARAM * shape.local_params / profile.memory_bytes_per_s
+    host_exposed = waited / host_rate + max(0.0, overlapped / host_rate - compute_s)
+
+    breakdown = {
+        "compute": compute_s,
+        "exposed head all-to-all": a2a_s,
+        "exposed ring p2p": max(0.0, ring_s - attention_s),
+        "exposed FSDP collectives": fsdp_exposed + reduce_s,
+        "exposed host transfers": host_exposed,
+        "optimizer": optimizer_s,
+        "collective latency": (a2a_calls + reduce_calls) * profile.collective_latency_s,
+    }
+    step = sum(breakdown.values())
+    tokens = shape.tokens_per_gpu
+    return StepTime(
+        profile=profile.name,
+        step_time_s=step,
+        tokens_per_s_per_gpu=tokens / step if step else 0.0,
+        mfu=tokens * shape.flops_per_token_causal / (step * profile.peak_flops) if step else 0.0,
+        mfu_torchtitan=tokens * shape.flops_per_token_torchtitan / (step * profile.peak_flops)
+        if step
+        else 0.0,
+        time_breakdown_s=breakdown,
+        compute_s=compute,
+        work=work.summary(),
+        counted=work,
+        shape=shape,
+    )

@@ -1,0 +1,314 @@
+"""What one training step asks of a rank's hardware, counted from the traced step itself.
+
+A ``TorchDispatchMode`` beside the memory tracker sees every aten op of the planner's fake step
+(the custom ops run transparently) and counts:
+
+- matmul FLOPs with torch's own formulas (``torch.utils.flop_counter``'s registry, the one
+  ``FlopCounterMode`` uses), recompute included, since the recompute runs in the trace;
+- attention FLOPs from each kernel call's block geometry: ``FlopCounterMode`` counts aten's flash
+  and cuDNN ops as the full square whatever ``is_causal`` says, and does not see which blocks a
+  ring or FPDT skips; here a causal block counts its visible (query, key) pairs, as the kernels
+  compute them (a varlen call, documents, counts every document as long as the longest: an upper
+  bound; the planner's fake document ids plan dense blocks anyway);
+- the bytes every other device op reads and writes (elementwise work, reductions, copies), which
+  are memory-bound;
+- bytes per collective, by kind and by whether its group spans nodes, from the op's own process
+  group (all-to-all: what this rank sends; all-gather and reduce-scatter: the bus bytes of NCCL's
+  busbw convention; point-to-point: the tensor);
+- host <-> device copies, split into the activation offload's and the rest (FPDT's chunks).
+
+Loops the planner shortens on fake tensors (``kernels.tiling.visited``) are counted whole: each
+visited iteration's counts are multiplied by the real iterations it stands for. The optimizer
+step is not counted op by op: an offloaded optimizer runs on the host, so the
+model charges it per parameter (``StepTimeModel``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.planning.tracker import OFFLOAD, label_from_stack
+
+aten = torch.ops.aten
+_MATMULS = {
+    aten.mm: aten.mm,
+    aten.addmm: aten.addmm,
+    aten.bmm: aten.bmm,
+    aten.baddbmm: aten.baddbmm,
+}
+_MATMULS.update({aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm})
+"""Matmul ops -> the op whose formula counts them (torch's registry has no in-place variants)."""
+
+# overload packet -> (kernel family, query argument, is_causal argument, query layout, backward)
+_ATTENTION = {
+    aten._flash_attention_forward: ("flash", 0, 8, "bshd", False),
+    aten._flash_attention_backward: ("flash", 1, 11, "bshd", True),
+    aten._scaled_dot_product_cudnn_attention: ("cudnn", 0, 6, "bhsd", False),
+    aten._scaled_dot_product_cudnn_attention_backward: ("cudnn", 1, 14, "bhsd", True),
+    aten._scaled_dot_product_efficient_attention: ("efficient", 0, 6, "bhsd", False),
+    aten._scaled_dot_product_efficient_attention_backward: ("efficient", 1, 11, "bhsd", True),
+    aten._scaled_dot_product_flash_attention_for_cpu: ("cpu", 0, 4, "bhsd", False),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: ("cpu", 1, 7, "bhsd", True),
+}
+"""aten's attention ops. The "flash" family is whatever aten's flash ops run: FlashAttention-2,
+or FA3 / FA4 once torch's registry points them there (``kernels.backends``)."""
+_FREE = {
+    # no bytes move: views, metadata, allocation, scalars
+    "view", "_unsafe_view", "t", "transpose", "detach", "alias", "slice", "select", "expand",
+    "unsqueeze", "squeeze", "permute", "as_strided", "split", "split_with_sizes", "unbind",
+    "chunk", "narrow", "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+    "_local_scalar_dense", "lift_fresh", "resize_", "set_", "unflatten", "flatten", "reshape",
+    "_reshape_alias", "view_as", "diagonal", "sym_size", "sym_stride", "sym_numel", "is_same_size",
+    "promote_types", "device", "_has_compatible_shallow_copy_type", "record_stream",
+}  # fmt: skip
+_COLLECTIVES = {
+    "alltoall_base_": "all_to_all",
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "send": "p2p",
+    "recv_": "p2p",
+}
+
+
+@dataclass
+class Traffic:
+    """Bytes on the wire and calls of one kind of communication."""
+
+    bytes: float = 0.0
+    calls: float = 0.0
+
+
+@dataclass
+class StepWork:
+    """One rank's counted work for one training step (module docstring)."""
+
+    matmul_flops: float = 0.0
+    ops: float = 0.0
+    """Ops that do work (not views): each costs a fixed dispatch overhead where the host cannot
+    run ahead of the device (``HardwareProfile.op_overhead_s``, measured on CPU)."""
+    attention_flops: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(kernel family: "flash" | "cudnn" | "efficient" | "cpu", "forward causal" |
+    "forward full" | "backward") -> FLOPs."""
+    memory_bytes: float = 0.0
+    communication: dict[tuple[str, bool], Traffic] = field(default_factory=dict)
+    """(kind, crosses nodes) -> traffic; kind: all_to_all, all_gather, reduce_scatter,
+    all_reduce, p2p (sends only: each hop's receive is the neighbour's send)."""
+    host_bytes: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(what: "activation offload" | "other", "to host" | "to device") -> bytes."""
+
+    def to_json(self) -> dict:
+        """Plain JSON (tuple keys joined by "|"), for benchmarks that price saved work again."""
+        return {
+            "matmul_flops": self.matmul_flops,
+            "ops": self.ops,
+            "memory_bytes": self.memory_bytes,
+            "attention_flops": {"|".join(k): v for k, v in self.attention_flops.items()},
+            "communication": {
+                f"{kind}|{int(crosses)}": [t.bytes, t.calls]
+                for (kind, crosses), t in self.communication.items()
+            },
+            "host_bytes": {"|".join(k): v for k, v in self.host_bytes.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepWork:
+        communication = {}
+        for key, (nbytes, calls) in data["communication"].items():
+            kind, crosses = key.split("|")
+            communication[(kind, bool(int(crosses)))] = Traffic(nbytes, calls)
+        return cls(
+            matmul_flops=data["matmul_flops"],
+            ops=data.get("ops", 0),
+            memory_bytes=data["memory_bytes"],
+            attention_flops={tuple(k.split("|")): v for k, v in data["attention_flops"].items()},
+            communication=communication,
+            host_bytes={tuple(k.split("|")): v for k, v in data["host_bytes"].items()},
+        )
+
+    def summary(self) -> dict[str, float]:
+        """The counts with readable keys (the plan's JSON): FLOPs, bytes, calls."""
+        out = {
+            "matmul FLOPs": self.matmul_flops,
+            "memory-bound bytes": self.memory_bytes,
+            "ops": self.ops,
+        }
+        for (family, direction), flops in sorted(self.attention_flops.items()):
+            out[f"attention FLOPs, {family} {direction}"] = flops
+        for (kind, crosses), traffic in sorted(self.communication.items()):
+            where = "across nodes" if crosses else "inside a node"
+            out[f"{kind} bytes, {where}"] = traffic.bytes
+            out[f"{kind} calls, {where}"] = traffic.calls
+        for (what, direction), nbytes in sorted(self.host_bytes.items()):
+            out[f"host copies {direction}, {what}"] = nbytes
+        return out
+
+
+def _numel_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def visible_pairs(seq_q: int, seq_k: int, causal: bool) -> int:
+    """(query, key) pairs a kernel computes: all of them, or with a causal mask aligned to the
+    bottom right (flash-attn >= 2.1, aten), key j visible to query i iff j <= i + seq_k - seq_q."""
+    if not causal:
+        return seq_q * seq_k
+    first = seq_k - seq_q + 1  # keys visible to the first query (may be <= 0)
+    full_from = max(0, 1 - first)  # queries before this one see nothing
+    rows = seq_q - full_from
+    if rows <= 0:
+        return 0
+    start = first + full_from
+    capped = max(0, min(rows, seq_k - start + 1))  # rows below the cap grow by one key each
+    grow = capped * start + capped * (capped - 1) // 2
+    return grow + (rows - capped) * seq_k
+
+
+def _argument(func, args: tuple, kwargs: dict, index: int):
+    """Argument ``index`` of an op call; dispatch leaves out trailing ones left at their
+    defaults, so those come from the op's schema."""
+    if index < len(args):
+        return args[index]
+    schema = func._schema.arguments[index]
+    return kwargs.get(schema.name, schema.default_value)
+
+
+def attention_flops(func, args, kwargs=None) -> tuple[str, str, float] | None:
+    """(kernel family, "forward causal" | "forward full" | "backward", FLOPs) of an attention
+    kernel call, or None for any other op."""
+    spec = _ATTENTION.get(func.overloadpacket)
+    if spec is None:
+        return None
+    family, q_index, causal_index, layout, backward = spec
+    kwargs = kwargs or {}
+    q, k = args[q_index], args[q_index + 1]
+    causal = bool(_argument(func, args, kwargs, causal_index))
+    if q.dim() == 3:  # varlen (total tokens, heads, d): every document as long as the longest
+        max_q = _argument(func, args, kwargs, q_index + (7 if backward else 5))
+        tokens, heads, head_dim = q.shape
+        pairs = visible_pairs(int(max_q), int(max_q), causal) * tokens // max(int(max_q), 1)
+        batch = 1
+    else:
+        if layout == "bshd":
+            batch, seq_q, heads, head_dim = q.shape
+            seq_k = k.shape[1]
+        else:
+            batch, heads, seq_q, head_dim = q.shape
+            seq_k = k.shape[2]
+        pairs = visible_pairs(seq_q, seq_k, causal)
+    forward = 4.0 * batch * heads * head_dim * pairs
+    if backward:
+        return family, "backward", 2.5 * forward
+    return family, ("forward causal" if causal else "forward full"), forward
+
+
+def _group_of(args) -> dist.ProcessGroup | None:
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
+            return dist.ProcessGroup.unbox(arg)
+    return None
+
+
+class StepWorkCounter(TorchDispatchMode):
+    """Counts a ``StepWork`` while ``counting`` (the measured step, not the optimizer; see the
+    module docstring). ``gpus_per_node`` decides which groups cross nodes (ranks numbered node
+    by node, as torchrun numbers them)."""
+
+    def __init__(self, device: torch.device, host: torch.device, gpus_per_node: int) -> None:
+        super().__init__()
+        self.device, self.host, self.gpus_per_node = str(device), str(host), gpus_per_node
+        self.work = StepWork()
+        self.counting = False
+        self._crosses: dict[str, bool] = {}
+
+    def _crosses_nodes(self, group: dist.ProcessGroup) -> bool:
+        name = group.group_name
+        if name not in self._crosses:
+            ranks = dist.get_process_group_ranks(group)
+            self._crosses[name] = len({rank // self.gpus_per_node for rank in ranks}) > 1
+        return self._crosses[name]
+
+    def _count_collective(self, kind: str, func, args) -> None:
+        group = _group_of(args)
+        size = group.size() if group is not None else 1
+        tensors = [leaf for leaf in tree_flatten(args)[0] if isinstance(leaf, torch.Tensor)]
+        if kind == "p2p":
+            if func.overloadpacket.__name__ != "send":
+                return
+            nbytes = sum(_numel_bytes(t) for t in tensors)
+        elif kind == "all_to_all":
+            nbytes = _numel_bytes(tensors[1]) * (size - 1) / size  # the input, less own part
+        elif kind == "all_gather":
+            nbytes = _numel_bytes(tensors[0]) * (size - 1) / size  # the gathered output
+        elif kind == "reduce_scatter":
+            nbytes = _numel_bytes(tensors[1]) * (size - 1) / size  # the full input
+        else:
+            nbytes = 2 * sum(_numel_bytes(t) for t in tensors) * (size - 1) / size
+        key = (kind, group is not None and self._crosses_nodes(group))
+        traffic = self.work.communication.setdefault(key, Traffic())
+        traffic.bytes += nbytes * repeats()
+        traffic.calls += repeats()
+
+    def _count_copy(self, func, args, out) -> bool:
+        """A copy between device and host memory: counted as host traffic (True), else False."""
+        name = func.overloadpacket.__name__
+        if name not in ("_to_copy", "copy_", "copy"):
+            return False
+        source = args[1] if name == "copy_" else args[0]
+        target = args[0] if name == "copy_" else out
+        devices = (str(source.device), str(target.device))
+        if self.host == self.device or set(devices) != {self.device, self.host}:
+            return False
+        direction = "to host" if devices[1] == self.host else "to device"
+        what = "activation offload" if label_from_stack() == OFFLOAD else "other"
+        key = (what, direction)
+        moved = _numel_bytes(source) * repeats()
+        self.work.host_bytes[key] = self.work.host_bytes.get(key, 0.0) + moved
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.counting:
+            return out
+        packet = func.overloadpacket
+        name = packet.__name__
+        if name not in _FREE and func.namespace not in ("prim", "profiler"):
+            self.work.ops += repeats()
+        if packet in _MATMULS:
+            formula = flop_registry[_MATMULS[packet]]
+            flops = formula(*args, **(kwargs or {}), out_val=out)
+            self.work.matmul_flops += flops * repeats()
+            return out
+        attention = attention_flops(func, args, kwargs)
+        if attention is not None:
+            family, direction, flops = attention
+            key = (family, direction)
+            self.work.attention_flops[key] = (
+                self.work.attention_flops.get(key, 0.0) + flops * repeats()
+            )
+            return out
+        if func.namespace == "c10d":
+            kind = _COLLECTIVES.get(name)
+            if kind is not None:
+                self._count_collective(kind, func, args)
+            return out
+        if name in _FREE or func.namespace in ("prim", "profiler"):
+            return out
+        if self._count_copy(func, args, out):
+            return out
+        touched = [
+            leaf
+            for leaf in tree_flatten((args, kwargs, out))[0]
+            if isinstance(leaf, torch.Tensor) and str(leaf.device) == self.device
+        ]
+        self.work.memory_bytes += sum(_numel_bytes(t) for t in touched) * repeats()
+        return out
