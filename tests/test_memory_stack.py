@@ -102,7 +102,7 @@ def test_each_switch_alone_and_all_together(tmp_path: Path, style: str) -> None:
     run_on_ranks(2, _compare, str(tmp_path), style, {**SWITCHES, "all": ALL}, False)
 
 
-@pytest.mark.parametrize("style", ["upipe", "ulysses"])
+@pytest.mark.parametrize("style", ["upipe", pytest.param("ulysses", marks=pytest.mark.slow)])
 def test_all_switches_compiled(tmp_path: Path, style: str) -> None:
     run_on_ranks(2, _compare, str(tmp_path), style, {"all": ALL}, True)
 

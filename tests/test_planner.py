@@ -124,7 +124,7 @@ def _real_peaks(rank: int, world: int, tmp: str, jobs: dict, out: str) -> None:
         Path(out).write_text(json.dumps(peaks))
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_planner_predicts_real_peak_within_5_percent(tmp_path: Path, cp: int) -> None:
     out = tmp_path / "real.json"
     run_on_ranks(cp, _real_peaks, str(tmp_path), JOBS, str(out))
@@ -282,7 +282,7 @@ def test_planning_visits_a_few_iterations_and_plans_the_same(
         ("llama3_8b_5M", 8, 80),
         pytest.param("llama3_8b_8M", 8, 80, marks=pytest.mark.slow),
         pytest.param("llama3_32b_6M", 16, 80, marks=pytest.mark.slow),
-        ("multinode/llama3_8b_2d_16gpu_12M", 16, 80),
+        pytest.param("multinode/llama3_8b_2d_16gpu_12M", 16, 80, marks=pytest.mark.slow),
         pytest.param("llama3_8b_h200_13M", 8, 140, marks=pytest.mark.slow),
     ],
 )
