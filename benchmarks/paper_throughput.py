@@ -9,11 +9,13 @@ paper's layout for Ulysses and UPipe, 8-way heads inside a node times a ring of 
 loss, FPDT's chunks) is the recipe's, as in the paper's runs. Native PyTorch CP is not a style
 here.
 
-    python benchmarks/paper_throughput.py --out outputs/paper_throughput.json   # ~1 h on 2 cores
-    python benchmarks/paper_throughput.py --table outputs/paper_throughput.json
+    python benchmarks/paper_throughput.py --out benchmarks/results/paper_throughput.json
+    python benchmarks/paper_throughput.py --table benchmarks/results/paper_throughput.json
 
-Cells already in ``--out`` are kept (the run can be resumed); ``--table`` prints the markdown
-table of cells, errors and the ratios UPipe/Ulysses, FPDT/UPipe and ring/Ulysses.
+Cells already in ``--out`` are kept (a run resumes where it stopped; all 37 take a few hours on 2
+CPU cores). The results keep each cell's counted work, so ``--table`` prices them with the
+current model without tracing again, and prints the markdown table of cells, errors and the
+ratios UPipe/Ulysses, FPDT/UPipe and ring/Ulysses (docs/measurements.md).
 """
 
 from __future__ import annotations
