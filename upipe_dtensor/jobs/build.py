@@ -26,12 +26,7 @@ from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.data.documents import document_ids, document_positions
 from upipe_dtensor.data.loader import Tokenizer, build_tokenizer
 from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, build_meshes, parallelize_llama
-from upipe_dtensor.kernels.backends import (
-    Choice,
-    activate_backend,
-    check_kernel_limits,
-    choose_backend,
-)
+from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import Llama3, init_sharded_weights
 from upipe_dtensor.models.hf_config import model_args
@@ -68,7 +63,7 @@ def resolve_attention(
     head_dim = args.dim // args.n_heads
     dtype = DTYPES[config.training.mixed_precision_param] if kernel_device == "cuda" else None
     try:
-        choice = choose_backend(
+        return choose_backend(
             config.parallelism.attention_backend,
             kernel_device,
             traced=traced,
@@ -76,11 +71,8 @@ def resolve_attention(
             head_dim=head_dim,
             dtype=dtype,
         )
-        if kernel_device == "cuda":
-            check_kernel_limits(choice.backend, head_dim, dtype)
     except ValueError as err:
         raise ConfigError(f"{config.source_of(*keys)}: [parallelism] {err}") from err
-    return choice
 
 
 def _init_process_group(backend: str) -> None:

@@ -170,7 +170,8 @@ def choose_backend(
     masks, ``head_dim`` and compute ``dtype`` (None: not checked). ``traced``: planning a GPU run
     on fake tensors, where every kernel is traced through aten's ops and nothing needs to be
     installed; ``auto`` then plans a Hopper GPU with its fastest kernel (``PLANNED_CAPABILITY``).
-    ValueError when a named CUDA backend cannot run here."""
+    ValueError when a named CUDA backend cannot run here, or (``head_dim`` given) when the
+    backend that would run cannot run this head_dim and dtype (``check_kernel_limits``)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if device_type != "cuda":
@@ -184,6 +185,8 @@ def choose_backend(
         problem = None if traced else _install_problem(name)
         if problem:
             raise ValueError(f"attention backend {name!r}: {problem}; or use 'auto' or 'sdpa'")
+        if head_dim is not None:
+            check_kernel_limits(name, head_dim, dtype)
         return Choice(name, {})
     major = PLANNED_CAPABILITY if traced else torch.cuda.get_device_capability()[0]
     skipped: dict[str, str] = {}
@@ -196,6 +199,8 @@ def choose_backend(
         if not problem:
             return Choice(candidate, skipped)
         skipped[candidate] = problem
+    if head_dim is not None:  # not even sdpa runs it: say which kernels could
+        check_kernel_limits("sdpa", head_dim, dtype)
     return Choice("sdpa", skipped)
 
 
@@ -246,7 +251,6 @@ def op_kernel(backend: str, kernel_device: str, x: Tensor, *, documents: bool = 
     if device_type != "cuda":
         choose_backend(backend, device_type)  # a CUDA backend on CPU is refused
         return "cpu"
-    traced = is_fake(x)
     return choose_backend(
-        backend, device_type, traced=traced, documents=documents, dtype=x.dtype
+        backend, device_type, traced=is_fake(x), documents=documents, dtype=x.dtype
     ).backend

@@ -232,9 +232,6 @@ def _names(kind: str, choices: tuple[str, ...], example: str) -> Callable[[str],
 
 
 _styles = _names("cp style", tuple(CP_STYLES), "upipe,ulysses")
-GPU_MEMORY_GIB = {"h100-sxm": 80.0, "h200": 140.0}
-"""Memory per GPU of each --gpu kind, GiB: H100 SXM's 80 (the planner's long-standing default), and
-H200's 141 GB (nvidia-smi's 143771 MiB, 140.4 GiB) rounded down."""
 _knobs = _names("setting", KNOB_NAMES, "heads_per_stage,fsdp_cpu_offload")
 
 
@@ -331,7 +328,7 @@ def main(argv: list[str]) -> int:
         parser.error("--search applies to --max-context and --objective speed")
     styles = args.styles or ["upipe", "ulysses"]
     if args.device_memory_gib is None:
-        args.device_memory_gib = GPU_MEMORY_GIB[args.gpu]
+        args.device_memory_gib = GPU_PROFILES[args.gpu].memory_gib
     budget = Budget(
         device_bytes=int(args.device_memory_gib * GiB),
         host_bytes_per_node=int(args.host_memory_gib * GiB),

@@ -55,6 +55,8 @@ class HardwareProfile:
     """Host <-> device copies per GPU when all GPUs of a node copy at once."""
     host_adamw_params_per_s: float
     """AdamW steps per second of one rank's host share (FSDP CPU offload)."""
+    memory_gib: float = 0.0
+    """Memory per GPU, GiB: the planner's default budget for this kind (0: none, e.g. a CPU)."""
     op_overhead_s: float = 0.0
     """Fixed cost of dispatching one op where nothing hides it. On a GPU 0: eager PyTorch
     launches asynchronously and the host runs ahead of kernels lasting milliseconds at these
@@ -101,6 +103,7 @@ _HOPPER_SOURCES = {
 
 H100_SXM = HardwareProfile(
     name="h100-sxm",
+    memory_gib=80.0,  # the planner's long-standing default (nvidia-smi: 81559 MiB, 79.65 GiB)
     peak_flops=989 * TERA,
     matmul_flops=792 * TERA,
     memory_bytes_per_s=3350 * GIGA,
@@ -123,6 +126,7 @@ H200 = HardwareProfile(
         **{key: value for key, value in asdict(H100_SXM).items() if key != "attention"},
         "attention": H100_SXM.attention,
         "name": "h200",
+        "memory_gib": 140.0,  # 141 GB: nvidia-smi's 143771 MiB (140.4 GiB), rounded down
         "memory_bytes_per_s": 4800 * GIGA,
         "sources": {
             **_HOPPER_SOURCES,

@@ -170,7 +170,7 @@ class Plan:
     def as_dict(self) -> dict:
         speed = self.speed
         return {
-            **{name: value for name, value in dataclasses.asdict(self).items() if name != "speed"},
+            **dataclasses.asdict(dataclasses.replace(self, speed=None)),
             "speed": speed.as_dict() if speed else None,
             "fits": self.fits,
             "fits_device": self.fits_device,
@@ -391,8 +391,9 @@ def _step_shape(trainer: Trainer, config: JobConfig, target: str) -> StepShape:
     training, parallelism = config.training, config.parallelism
     model = trainer.model
     args = model.model_args
+    # torchtitan's count: 6 N plus attention as the full square; causal attention is half of it.
     _, flops_per_token = args.get_nparams_and_flops(model, training.seq_len)
-    attention_square = 6 * args.n_layers * args.n_heads * 2 * (args.dim // args.n_heads)
+    _, dense_flops_per_token = args.get_nparams_and_flops(model, 0)
     return StepShape(
         backend=trainer.setup.attention_backend if target == "cuda" else "cpu",
         tokens_per_gpu=training.local_batch_size
@@ -403,6 +404,6 @@ def _step_shape(trainer: Trainer, config: JobConfig, target: str) -> StepShape:
         optimizer_on_host=training.enable_cpu_offload,
         all_gathers_per_step=2 if parallelism.fsdp_reshard_after_forward else 1,
         block_inputs_prefetched=config.activation_checkpoint.cpu_offload_prefetch,
-        flops_per_token_causal=flops_per_token - attention_square * training.seq_len / 2,
+        flops_per_token_causal=(flops_per_token + dense_flops_per_token) / 2,
         flops_per_token_torchtitan=flops_per_token,
     )

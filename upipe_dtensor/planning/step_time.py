@@ -32,7 +32,8 @@ torchtitan's (``get_dense_model_nparams_and_flops``: the full square).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 
 from upipe_dtensor.planning.hardware import HardwareProfile
 from upipe_dtensor.planning.step_work import StepWork
@@ -80,9 +81,9 @@ class StepTime:
     """The inputs of the prediction, to price the same step on another profile."""
 
     def as_dict(self) -> dict:
-        return {
-            name: value for name, value in asdict(self).items() if name not in ("counted", "shape")
-        }
+        """The reported fields (numbers and flat dicts of them), without the inputs."""
+        reported = (f.name for f in fields(self) if f.name not in ("counted", "shape"))
+        return {name: copy.copy(getattr(self, name)) for name in reported}
 
     def render(self) -> list[str]:
         """Lines for the plan's report."""
@@ -150,7 +151,7 @@ def predict_step_time(work: StepWork, shape: StepShape, profile: HardwareProfile
     first_gather = gather_s / gather_calls if gather_calls else 0.0
     fsdp_exposed = max(0.0, gather_s + scatter_s - compute_s) + first_gather
 
-    host = dict(work.host_bytes)
+    host = work.host_bytes
     shard_bytes = 4 * shape.local_params
     host_rate = profile.host_link_bytes_per_s
     waited = (

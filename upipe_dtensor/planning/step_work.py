@@ -277,31 +277,27 @@ class StepWorkCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.counting:
-            return out
         packet = func.overloadpacket
         name = packet.__name__
-        if name not in _FREE and func.namespace not in ("prim", "profiler"):
-            self.work.ops += repeats()
+        if not self.counting or name in _FREE or func.namespace in ("prim", "profiler"):
+            return out
+        weight = repeats()
+        work = self.work
+        work.ops += weight
         if packet in _MATMULS:
-            formula = flop_registry[_MATMULS[packet]]
-            flops = formula(*args, **(kwargs or {}), out_val=out)
-            self.work.matmul_flops += flops * repeats()
+            flops = flop_registry[_MATMULS[packet]](*args, **(kwargs or {}), out_val=out)
+            work.matmul_flops += flops * weight
             return out
         attention = attention_flops(func, args, kwargs)
         if attention is not None:
             family, direction, flops = attention
             key = (family, direction)
-            self.work.attention_flops[key] = (
-                self.work.attention_flops.get(key, 0.0) + flops * repeats()
-            )
+            work.attention_flops[key] = work.attention_flops.get(key, 0.0) + flops * weight
             return out
         if func.namespace == "c10d":
             kind = _COLLECTIVES.get(name)
             if kind is not None:
                 self._count_collective(kind, func, args)
-            return out
-        if name in _FREE or func.namespace in ("prim", "profiler"):
             return out
         if self._count_copy(func, args, out):
             return out
@@ -310,5 +306,5 @@ class StepWorkCounter(TorchDispatchMode):
             for leaf in tree_flatten((args, kwargs, out))[0]
             if isinstance(leaf, torch.Tensor) and str(leaf.device) == self.device
         ]
-        self.work.memory_bytes += sum(_numel_bytes(t) for t in touched) * repeats()
+        work.memory_bytes += sum(_numel_bytes(t) for t in touched) * weight
         return out
