@@ -2,15 +2,16 @@
 H100s), for every cell our recipes express. A check, never a fit: the model's constants come from
 hardware and kernel sources (``planning/hardware.py``) and none of them was set from this table.
 
-Each cell is the recipe of that model, style and length with the paper's stack: FA3 kernels and
-the model states on the GPU (``[training] enable_cpu_offload = false``); for 32B on 16 GPUs the
-paper's layout for Ulysses and UPipe, 8-way heads inside a node times a ring of 2 across the nodes
-(``ring_degree = 2``; U = 8). The rest (block inputs offloaded to the host, tiled MLP, chunked
-loss, FPDT's chunks) is the recipe's, as in the paper's runs. Native PyTorch CP is not a style
-here.
+Each cell is the recipe of that model, style and length with the paper's stack: FA3 kernels, each
+all-to-all waited for at once (``overlap_stages = false``) and the model states on the GPU
+(``[training] enable_cpu_offload = false``); for 32B on 16 GPUs the paper's layout for Ulysses and
+UPipe, 8-way heads inside a node times a ring of 2 across the nodes (``ring_degree = 2``; U = 8).
+The rest (block inputs offloaded to the host, tiled MLP, chunked loss, FPDT's chunks) is the
+recipe's, as in the paper's runs. Native PyTorch CP is not a style here.
 
     python benchmarks/paper_throughput.py --out benchmarks/results/paper_throughput.json
     python benchmarks/paper_throughput.py --table benchmarks/results/paper_throughput.json
+    python benchmarks/paper_throughput.py --levers benchmarks/results/paper_throughput.json
 
 Cells already in ``--out`` are kept (a run resumes where it stopped; all 37 take a few hours on 2
 CPU cores). The results keep each cell's counted work, so ``--table`` prices them with the
@@ -25,9 +26,11 @@ import dataclasses
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from upipe_dtensor.config import parse_args
+from upipe_dtensor.models import FLAVORS
 from upipe_dtensor.planning.hardware import H100_SXM, HardwareProfile
 from upipe_dtensor.planning.step import plan_job
 from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
@@ -46,9 +49,11 @@ PAPER = {
     ("32B", "fpdt"): (286.40, 217.85, 151.91, 95.88, 55.41, 38.86, 27.66, None),
     ("32B", "upipe"): (483.29, 339.56, 204.46, 113.26, 59.56, 40.42, 29.97, None),
 }
-PAPER_STACK = [
+PAPER_STACK = [  # the paper's code waits for each all-to-all: no overlapped stages
     "--parallelism.attention_backend",
     "fa3",
+    "--parallelism.overlap_stages",
+    "false",
     "--training.enable_cpu_offload",
     "false",
 ]
@@ -151,15 +156,60 @@ def table(results: dict, profile: HardwareProfile = H100_SXM) -> str:
     return "\n".join(lines)
 
 
+def _stages(cell: dict) -> int:
+    """H / U of a UPipe cell's recipe (with its overrides): the stages that can overlap."""
+    config = parse_args(["--config", str(REPO / cell["recipe"]), *cell["overrides"]])
+    n_heads = FLAVORS[config.model.flavor].n_heads
+    return n_heads // config.parallelism.stage_heads(n_heads)
+
+
+def levers(results: dict, profile: HardwareProfile = H100_SXM) -> str:
+    """What each lever buys UPipe, priced from the same counted work (predictions): the kernel
+    (FlashAttention-2 -> FA3, the paper's stack) and overlapped stages; Ulysses on FA3 beside."""
+    lines = [
+        "| model | length | paper UPipe | FA2 | FA3 (paper's stack) | FA3 + overlapped stages "
+        "| vs paper UPipe | vs Ulysses (FA3) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, cell in results.items():
+        model, style, length = key.split()
+        if style != "upipe":
+            continue
+        work, shape = StepWork.from_json(cell["work"]), StepShape(**cell["shape"])
+        speeds = [
+            predict_step_time(work, replace(shape, **changes), profile).tokens_per_s_per_gpu
+            for changes in (
+                {"backend": "flash"},
+                {},
+                {"overlapped_stages": _stages(cell)},
+            )
+        ]
+        ulysses = results.get(f"{model} ulysses {length}")
+        versus = (
+            f"{speeds[-1] / priced(ulysses, profile).tokens_per_s_per_gpu:.3f}" if ulysses else "-"
+        )
+        lines.append(
+            f"| {model} | {length} | {cell['paper']:.2f} | "
+            + " | ".join(f"{speed:.2f}" for speed in speeds)
+            + f" | {speeds[-1] / cell['paper']:.3f} | {versus} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="run the cells, results (JSON) here")
     parser.add_argument("--table", type=Path, help="print the markdown table of a results file")
+    parser.add_argument(
+        "--levers", type=Path, help="print what the kernel and overlapped stages buy UPipe"
+    )
     args = parser.parse_args(argv)
     if args.out:
         run(args.out)
     if args.table or args.out:
         print(table(json.loads((args.table or args.out).read_text())))
+    if args.levers:
+        print(levers(json.loads(args.levers.read_text())))
     return 0
 
 

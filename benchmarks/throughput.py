@@ -3,12 +3,14 @@ the step-time model's prediction beside each (priced with this machine's measure
 
     python benchmarks/throughput.py                      # 2 and 4 ranks, ~10 min on 2 cores
     python benchmarks/throughput.py --ranks 2 --steps 6
+    python benchmarks/throughput.py --styles UPipe    # UPipe's stages overlapped and not
 
 For each world size: ``benchmarks/cpu_profile.py`` under torchrun measures the profile, then each
 style trains the debug flavor for ``--steps`` steps under torchrun (``train.py``, the job's own
 ``tok/s/dev`` log lines; the first step, which compiles nothing but warms caches, is dropped and
 the median of the rest taken), and the planner traces the same job on fake tensors
-(``plan_job(target="cpu")``) and prices it with the profile. Ratios are to UPipe in the same run.
+(``plan_job(target="cpu")``) and prices it with the profile. Ratios are to the first style run
+(UPipe, its stages overlapped) in the same run.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def styles(ranks: int) -> dict[str, list[str]]:
     chunk = str(SEQ_LEN // 4)
     found = {
         "UPipe (U = C)": [],
+        "UPipe (U = C), stages not overlapped": ["--parallelism.overlap_stages", "false"],
         "Ulysses": ["--parallelism.cp_style", "ulysses"],
         "ring": ["--parallelism.cp_style", "ring"],
         "FPDT (4 chunks)": [
@@ -82,6 +85,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--styles", nargs="+", metavar="PREFIX", help="only the styles whose names start so"
+    )
     args = parser.parse_args(argv)
     print("| ranks | style | measured tok/s/rank | vs UPipe | predicted | vs UPipe | error |")
     print("|---:|---|---:|---:|---:|---:|---:|")
@@ -91,7 +97,12 @@ def main(argv: list[str]) -> int:
             torchrun(ranks, "benchmarks/cpu_profile.py", "--out", str(profile_path))
             profile = load_profile(profile_path)
             rows = []
-            for name, extra in styles(ranks).items():
+            chosen = {
+                name: extra
+                for name, extra in styles(ranks).items()
+                if not args.styles or name.startswith(tuple(args.styles))
+            }
+            for name, extra in chosen.items():
                 job = job_args(ranks, extra, str(Path(scratch) / "job"))
                 output = torchrun(ranks, "train.py", *job, "--training.steps", str(args.steps))
                 plan = plan_job(parse_args(job), world_size=ranks, target="cpu", profile=profile)

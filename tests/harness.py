@@ -124,7 +124,7 @@ def make_style(case: dict):
     """The CP style a test case names: upipe/ulysses (1-D, or 2D with "ring"), ring, fpdt."""
     style, u = case["style"], case.get("u")
     if style in ("upipe", "upipe2d"):
-        return UPipeAttention(heads_per_stage=u)
+        return UPipeAttention(heads_per_stage=u, overlap_stages=case.get("overlap", True))
     if style in ("ulysses", "ulysses2d"):
         return UlyssesAttention()
     if style == "ring":

@@ -3,6 +3,7 @@
 Each spawn runs the whole grid for one CP degree C (spawning is the slow part on CPU):
 - UPipe / Ulysses: MHA and GQA (n_rep 2 and 4), fewer KV heads than ranks, U in {C, 2C, H},
   sequence lengths that are and are not multiples of 2C, explicit (per-document) positions;
+  stages overlapped (the default) and once each exchange waited at once;
 - ring attention: the same geometries and lengths (its zigzag layout takes any S divisible by C);
 - FPDT: 1, 2 and 4 chunks per rank, and UPipe x FPDT (U = C with chunks);
 - 2D (ring x heads): every (R, C/R) the degree allows, U in {C/R, H};
@@ -57,6 +58,9 @@ def ulysses_cases(cp: int) -> list[dict]:
             for seq_len in (4 * cp, 5 * cp):  # multiple of 2C, and not
                 style = "ulysses" if u == n_heads else "upipe"
                 out.append(dict(style=style, n_heads=n_heads, n_kv=n_kv, u=u, seq_len=seq_len))
+    # UPipe overlaps its stages' exchanges by default; once with each exchange waited at once
+    n_heads, n_kv = geometries(cp)[1]
+    out.append(dict(style="upipe", n_heads=n_heads, n_kv=n_kv, u=cp, seq_len=4 * cp, overlap=False))
     return out
 
 
@@ -267,3 +271,4 @@ def test_grid_covers_the_promised_cases() -> None:
             for m in ("global", "document")
         }
     assert {c["ring"] for c in two_d_cases(4)} == {2, 4}
+    assert any(c.get("overlap") is False for c in ulysses_cases(2))

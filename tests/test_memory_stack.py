@@ -29,6 +29,12 @@ SWITCHES = {
     "tiled_rms_norm": ["--memory.tiled_rms_norm", "true", "--memory.norm_tile_tokens", "6"],
     "chunked_loss": ["--memory.chunked_loss", "true", "--memory.loss_chunk_tokens", "7"],
     "fsdp_cpu_offload": ["--training.enable_cpu_offload", "true"],
+    "checkpoint+kept_attention": [
+        "--activation_checkpoint.mode",
+        "full",
+        "--activation_checkpoint.keep_attention",
+        "device",
+    ],
     # Last: in ALL these override the per-block checkpointing above (later flags win).
     "checkpoint_pairs+host_offload": [
         "--activation_checkpoint.mode",
@@ -39,6 +45,8 @@ SWITCHES = {
         "2",
         "--activation_checkpoint.cpu_offload_prefetch",
         "false",
+        "--activation_checkpoint.keep_attention",
+        "host",
     ],
 }
 ALL = [arg for args in SWITCHES.values() for arg in args]

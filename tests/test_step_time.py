@@ -174,6 +174,15 @@ def test_overlap_rules() -> None:
     timed = predict_step_time(_work(communication=communication), _shape(), H100_SXM)
     parts = timed.time_breakdown_s
     assert parts["exposed head all-to-all"] == pytest.approx(1.0)
+    # Four overlapped stages: 0.25 s of exchanges per stage under 0.5 s of attention, so only
+    # the first stage's wait shows; with 2.5 s of exchanges each later stage shows 0.125 s more.
+    staged = predict_step_time(
+        _work(communication=communication), _shape(overlapped_stages=4), H100_SXM
+    )
+    assert staged.time_breakdown_s["exposed head all-to-all"] == pytest.approx(0.25)
+    heavy = {("all_to_all", False): Traffic(335e9 * 2.5, 10)}
+    staged = predict_step_time(_work(communication=heavy), _shape(overlapped_stages=4), H100_SXM)
+    assert staged.time_breakdown_s["exposed head all-to-all"] == pytest.approx(0.625 + 3 * 0.125)
     assert parts["exposed ring p2p"] == 0
     assert parts["exposed FSDP collectives"] == pytest.approx(1.0)  # the first all-gather
     assert parts["collective latency"] == pytest.approx(10 * 11e-6)
@@ -200,3 +209,32 @@ def test_overlap_rules() -> None:
     assert base.mfu == pytest.approx(1000 * 1e9 / (base.step_time_s * 989e12))
     # H200: the same compute, faster memory.
     assert predict_step_time(_work(), _shape(), H200).step_time_s < base.step_time_s
+
+
+def test_kept_attention_skips_the_recompute_and_costs_its_memory() -> None:
+    """keep_attention: the planner's traced step runs each attention forward once instead of
+    twice (the checkpoint's recompute takes the kept output), and holds the kept outputs on the
+    device ('device') or on the host ('host')."""
+    checkpointed = ("--activation_checkpoint.mode", "full")
+    plans = {
+        where: _debug_plan(*checkpointed, "--activation_checkpoint.keep_attention", where)[1]
+        for where in ("none", "device", "host")
+    }
+
+    def forward_flops(plan) -> float:
+        return sum(
+            v for k, v in plan.speed.work.items() if "attention FLOPs" in k and "forward" in k
+        )
+
+    recomputed = forward_flops(plans["none"])
+    assert forward_flops(plans["device"]) == pytest.approx(recomputed / 2)
+    assert forward_flops(plans["host"]) == pytest.approx(recomputed / 2)
+    assert plans["device"].speed.step_time_s < plans["none"].speed.step_time_s
+    # one layer's output (B, S/C, H*d) in bf16, at least, kept through the peak
+    config, _ = _debug_plan()
+    args = model_args(config.model, 512)
+    out_bytes = (
+        2 * config.training.local_batch_size * 512 // 2 * args.n_heads * (args.dim // args.n_heads)
+    )
+    assert plans["device"].device_peak_bytes >= plans["none"].device_peak_bytes + out_bytes
+    assert plans["host"].host_peak_bytes >= plans["none"].host_peak_bytes + out_bytes

@@ -316,6 +316,16 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "activation_checkpoint.mode",
         )
     if (
+        config.activation_checkpoint.keep_attention != "none"
+        and config.activation_checkpoint.mode != "full"
+    ):
+        fail(
+            "[activation_checkpoint] keep_attention spares the recompute of full checkpointing; "
+            "set mode = 'full' as well (without checkpointing attention is never recomputed)",
+            "activation_checkpoint.keep_attention",
+            "activation_checkpoint.mode",
+        )
+    if (
         config.activation_checkpoint.blocks_per_checkpoint > 1
         and config.activation_checkpoint.mode != "full"
     ):

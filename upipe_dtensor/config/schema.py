@@ -157,6 +157,10 @@ class Parallelism:
     chunks' K/V in host memory)."""
     heads_per_stage: int = 0
     """UPipe's U, query heads per stage across the head axis; 0 means U = C / ring_degree."""
+    overlap_stages: bool = True
+    """upipe: start the next head stage's all-to-alls before this stage's attention and wait for
+    them just before their use (exchanges run while attention computes; one more stage's buffers
+    in flight). false waits for each exchange as it is made."""
     ring_degree: int = 1
     """R > 1: 2D context parallelism for upipe/ulysses, a ring of R ranks (across nodes) times a
     head axis of C / R ranks (inside a node); R divides context_parallel_degree."""
@@ -216,6 +220,11 @@ class ActivationCheckpoint:
     """'full' recomputes each TransformerBlock in backward, keeping only its input."""
     cpu_offload: bool = False
     """Keep the checkpointed block inputs in host memory (async pinned copies, prefetched)."""
+    keep_attention: Literal["none", "host", "device"] = "none"
+    """Keep each layer's attention output and LSE from forward so the recompute in backward
+    skips the attention (about a quarter of a long-context step): 'device' holds them on the GPU
+    (per layer S/C x n_heads x head_dim x 2 bytes plus the LSEs), 'host' in host memory, fetched
+    back during the recompute; 'none' recomputes attention. Needs mode = 'full'."""
     cpu_offload_skip_last: int = 1
     """The last N blocks keep their inputs on the device: backward needs them first."""
     blocks_per_checkpoint: int = 1

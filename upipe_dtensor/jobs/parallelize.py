@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
@@ -89,12 +90,22 @@ def build_meshes(device_type: str, dp_shard: int, cp: int, ring: int = 1) -> Par
     )
 
 
+def kept_attention(setup: JobSetup) -> KeptAttention | None:
+    """Where attention waits for the recompute (``[activation_checkpoint] keep_attention``)."""
+    where = setup.config.activation_checkpoint.keep_attention
+    return None if where == "none" else KeptAttention(where, setup.host_device)
+
+
 def make_cp_style(setup: JobSetup) -> ContextParallelAttention:
     """The configured context-parallel style (``[parallelism] cp_style``), built from the job's
     resolved values (U, ring degree, sequence chunks, the attention backend and the device its
     kernels are chosen for) so its layout and kernels are known at once."""
     parallelism = setup.config.parallelism
-    kernels = {"backend": setup.attention_backend, "kernel_device": setup.kernel_device}
+    kernels = {
+        "backend": setup.attention_backend,
+        "kernel_device": setup.kernel_device,
+        "keep_attention": kept_attention(setup),
+    }
     if parallelism.cp_style == "ring":
         return RingAttention(**kernels)
     if parallelism.cp_style == "fpdt":
@@ -107,6 +118,7 @@ def make_cp_style(setup: JobSetup) -> ContextParallelAttention:
         heads_per_stage=parallelism.stage_heads(setup.args.n_heads),
         ring_degree=parallelism.ring_degree,
         chunk_tokens=parallelism.chunk_tokens or None,  # UPipe x FPDT: head stages over chunks
+        overlap_stages=parallelism.overlap_stages,
         host_device=setup.host_device,
         **kernels,
     )

@@ -1,13 +1,17 @@
 """Sequence <-> head all-to-all over one process group (one dimension of a DeviceMesh).
 
 Ulysses layout change: a rank holding its contiguous sequence shard for all heads trades it for
-the whole sequence of its share of the heads, and back. The plain functions are what the UPipe
-op calls inside its (eager) stage loop; ``seq_to_head`` / ``head_to_seq`` below are the same
+the whole sequence of its share of the heads, and back. ``start_*`` begin an exchange and return
+an ``Exchange`` to wait on later (the staged op overlaps the next stage's exchanges with this
+stage's attention); the plain functions wait at once. They are what the UPipe op calls inside
+its (eager) stage loop; ``seq_to_head`` / ``head_to_seq`` below are the same
 exchange as differentiable custom ops with fake implementations, so other attention styles can
 use them inside ``torch.compile(fullgraph=True)``. Works with gloo (CPU) and NCCL (CUDA).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,37 +19,90 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 
-def sequence_to_heads(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
-    """(B, S/C, h, d) local shard of all h heads -> (B, S, h/C, d), this rank's heads.
+class Exchange:
+    """An all-to-all on its way: ``result()`` waits for it and returns the tensor in its new
+    layout. Started exchanges run while the caller computes (NCCL on its own stream, gloo on its
+    worker threads), so a stage's exchange can fly during the previous stage's attention. The
+    send buffer stays referenced until the exchange is waited for: the library reads it
+    meanwhile."""
+
+    def __init__(
+        self,
+        send: Tensor,
+        recv: Tensor,
+        work: dist.Work | None,
+        arrange: Callable[[Tensor], Tensor],
+    ) -> None:
+        self._send, self._recv, self._work, self._arrange = send, recv, work, arrange
+
+    @classmethod
+    def done(cls, x: Tensor) -> Exchange:
+        """Nothing to exchange (a head axis of one rank): the result is ``x`` itself."""
+        return cls(x, x, None, lambda t: t)
+
+    def result(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._send = None
+        return self._arrange(self._recv)
+
+
+def _start(send: Tensor, group: dist.ProcessGroup | None, arrange) -> Exchange:
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return Exchange(send, recv, work, arrange)
+
+
+def start_sequence_to_heads(
+    x: Tensor, group: dist.ProcessGroup | None, head_degree: int
+) -> Exchange:
+    """Start (B, S/C, h, d) local shard of all h heads -> (B, S, h/C, d), this rank's heads.
 
     Rank r receives head slice r of every peer; the sequence is the peers' shards in rank order.
     """
     if head_degree == 1:
-        return x
+        return Exchange.done(x)
     batch, local_len, heads, head_dim = x.shape
     send = x.reshape(batch, local_len, head_degree, heads // head_degree, head_dim)
     send = send.permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    # recv[j] is peer j's sequence shard: put the peer axis next to the sequence axis.
-    return recv.permute(1, 0, 2, 3, 4).reshape(
-        batch, head_degree * local_len, heads // head_degree, head_dim
-    )
+
+    def arrange(recv: Tensor) -> Tensor:
+        # recv[j] is peer j's sequence shard: put the peer axis next to the sequence axis.
+        return recv.permute(1, 0, 2, 3, 4).reshape(
+            batch, head_degree * local_len, heads // head_degree, head_dim
+        )
+
+    return _start(send, group, arrange)
 
 
-def heads_to_sequence(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
-    """(B, S, h, d) whole sequence of this rank's heads -> (B, S/C, h*C, d), all heads."""
+def start_heads_to_sequence(
+    x: Tensor, group: dist.ProcessGroup | None, head_degree: int
+) -> Exchange:
+    """Start (B, S, h, d) whole sequence of this rank's heads -> (B, S/C, h*C, d), all heads."""
     if head_degree == 1:
-        return x
+        return Exchange.done(x)
     batch, seq_len, heads, head_dim = x.shape
     send = x.reshape(batch, head_degree, seq_len // head_degree, heads, head_dim)
     send = send.transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    # recv[j] holds peer j's heads for this rank's shard: heads of peer j come j-th.
-    return recv.permute(1, 2, 0, 3, 4).reshape(
-        batch, seq_len // head_degree, head_degree * heads, head_dim
-    )
+
+    def arrange(recv: Tensor) -> Tensor:
+        # recv[j] holds peer j's heads for this rank's shard: heads of peer j come j-th.
+        return recv.permute(1, 2, 0, 3, 4).reshape(
+            batch, seq_len // head_degree, head_degree * heads, head_dim
+        )
+
+    return _start(send, group, arrange)
+
+
+def sequence_to_heads(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
+    """``start_sequence_to_heads``, waited for."""
+    return start_sequence_to_heads(x, group, head_degree).result()
+
+
+def heads_to_sequence(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
+    """``start_heads_to_sequence``, waited for."""
+    return start_heads_to_sequence(x, group, head_degree).result()
 
 
 def _group(group_name: str) -> dist.ProcessGroup:

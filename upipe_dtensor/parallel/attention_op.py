@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from upipe_dtensor.kernels.op_mode import OpSpec, call
+from upipe_dtensor.memory.kept_attention import kept_forward
 
 _TENSORS = "Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor wo, Tensor rope, Tensor? doc_ids"
 
@@ -56,6 +57,12 @@ class AttentionParams:
     kernel_device: str = ""
     """The device type the kernels are chosen for; "" means the tensors' own. The planner says
     "cuda" to trace the CUDA kernels on fake CPU tensors (``kernels.attention.op_kernel``)."""
+    overlap_stages: bool = False
+    """Start stage s+1's all-to-alls before stage s's attention and wait for each just before its
+    use (``staged_attention``); False waits for every exchange as it is made."""
+    keep: str = ""
+    """Attention kept for the recompute (``memory.kept_attention``): "store/layer", or "" for
+    none."""
     store_name: str = ""
     """FPDT: the host store that parks earlier chunks (``memory.host_store.named_host_store``)."""
 
@@ -64,7 +71,7 @@ class AttentionParams:
         return self.heads_per_stage // self.head_degree
 
 
-_SCHEMA_TYPES = {str: "str", int: "int", float: "float"}
+_SCHEMA_TYPES = {str: "str", int: "int", float: "float", bool: "bool"}
 _PARAM_FIELDS = dataclasses.fields(AttentionParams)
 _PARAMS_SCHEMA = ", ".join(
     f"{_SCHEMA_TYPES[typing.get_type_hints(AttentionParams)[f.name]]} {f.name}"
@@ -88,7 +95,8 @@ class AttentionOp:
         ``backward(grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, params) -> grads``."""
 
         def forward_body(*args):
-            return forward(*args[:7], _params(args[7:]))
+            params = _params(args[7:])
+            return kept_forward(params.keep, args[4], lambda: forward(*args[:7], params))
 
         def backward_body(*args):
             return backward(*args[:10], _params(args[10:]))

@@ -17,7 +17,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
-from upipe_dtensor.parallel.all_to_all import _group, heads_to_sequence, sequence_to_heads
+from upipe_dtensor.parallel.all_to_all import (
+    Exchange,
+    _group,
+    start_heads_to_sequence,
+    start_sequence_to_heads,
+)
 from upipe_dtensor.parallel.attention_op import AttentionParams
 from upipe_dtensor.parallel.head_schedule import HeadSchedule, Stage, make_head_schedule
 
@@ -95,23 +100,38 @@ class AttentionProjections:
         """x @ rows.T as (B, L, heads, d)."""
         return (self.x_flat @ rows.t()).view(self.batch, self.local_len, -1, self.head_dim)
 
+    def start_to_heads(self, t: Tensor) -> Exchange:
+        return start_sequence_to_heads(t, self.group, self.head_degree)
+
+    def start_to_sequence(self, t: Tensor) -> Exchange:
+        return start_heads_to_sequence(t, self.group, self.head_degree)
+
     def to_heads(self, t: Tensor) -> Tensor:
-        return sequence_to_heads(t, self.group, self.head_degree)
+        return self.start_to_heads(t).result()
 
     def to_sequence(self, t: Tensor) -> Tensor:
-        return heads_to_sequence(t, self.group, self.head_degree)
+        return self.start_to_sequence(t).result()
 
-    def kv_for_block(self, block: int, rope: Tensor) -> tuple[Tensor, Tensor]:
-        """K (rotated) and V of one KV block, replicated if needed, in the head layout."""
+    def start_kv_for_block(self, block: int, rope: Tensor) -> tuple[Exchange, Exchange]:
+        """K (rotated) and V of one KV block, replicated if needed, on their way to the head
+        layout."""
         rep = self.schedule.kv_replication
         k = apply_rope(self.project(self.block_rows(self.wk, block)), rope)
         v = self.project(self.block_rows(self.wv, block))
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        return self.to_heads(k), self.to_heads(v)
+        return self.start_to_heads(k), self.start_to_heads(v)
+
+    def kv_for_block(self, block: int, rope: Tensor) -> tuple[Tensor, Tensor]:
+        """K (rotated) and V of one KV block, replicated if needed, in the head layout."""
+        k, v = self.start_kv_for_block(block, rope)
+        return k.result(), v.result()
+
+    def start_query_for_stage(self, stage: Stage, rope: Tensor) -> Exchange:
+        return self.start_to_heads(apply_rope(self.project(self.stage_rows(self.wq, stage)), rope))
 
     def query_for_stage(self, stage: Stage, rope: Tensor) -> Tensor:
-        return self.to_heads(apply_rope(self.project(self.stage_rows(self.wq, stage)), rope))
+        return self.start_query_for_stage(stage, rope).result()
 
     def write_stage(self, buffer: Tensor, stage: Stage, values: Tensor) -> None:
         """buffer[:, :, stage heads] = values, for (B, L, H, d) buffers."""
@@ -131,11 +151,14 @@ class AttentionProjections:
             wo.shape[0], -1
         )
 
-    def output_grad(self, grad_y: Tensor, wo: Tensor, stage: Stage) -> Tensor:
-        """The stage's slice of the gradient before ``wo``, in the head layout: grad_y @ wo[:,
-        stage columns], exchanged. The whole (tokens, H*d) gradient never exists."""
+    def start_output_grad(self, grad_y: Tensor, wo: Tensor, stage: Stage) -> Exchange:
+        """The stage's slice of the gradient before ``wo``, on its way to the head layout:
+        grad_y @ wo[:, stage columns]. The whole (tokens, H*d) gradient never exists."""
         grad = grad_y.reshape(-1, grad_y.shape[-1]) @ self.stage_columns(wo, stage)
-        return self.to_heads(grad.view(self.batch, self.local_len, -1, self.head_dim))
+        return self.start_to_heads(grad.view(self.batch, self.local_len, -1, self.head_dim))
+
+    def output_grad(self, grad_y: Tensor, wo: Tensor, stage: Stage) -> Tensor:
+        return self.start_output_grad(grad_y, wo, stage).result()
 
     def read_stage(self, buffer: Tensor, stage: Stage) -> Tensor:
         first = stage.first_head_if_contiguous
@@ -149,7 +172,14 @@ class AttentionProjections:
         """From the stage's query gradient in the head layout: grad_x += dq @ wq[stage] (grad_x
         is this span's (tokens, D) or (B, L, D) rows); grad_wq[stage heads] += dq.T @ x. The
         gradients may be float32 accumulators of bf16 weights and activations."""
-        grad_q = apply_rope_transpose(self.to_sequence(grad_q_h), rope)
+        self.query_backward_from(self.start_to_sequence(grad_q_h), stage, rope, grad_x, grad_wq)
+
+    def query_backward_from(
+        self, grad_q: Exchange, stage: Stage, rope: Tensor, grad_x: Tensor, grad_wq: Tensor
+    ) -> None:
+        """``query_backward`` once the stage's query gradient, started back to the sequence
+        layout, arrives."""
+        grad_q = apply_rope_transpose(grad_q.result(), rope)
         grad_q = grad_q.reshape(-1, self.head_dim * len(stage.query_heads))
         _add_product(grad_x, grad_q, self.stage_rows(self.wq, stage))
         first = stage.first_head_if_contiguous

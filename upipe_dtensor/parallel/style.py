@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from upipe_dtensor.kernels.backends import BACKENDS, CUDA_BACKENDS, check_kernel_limits
 from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.host_store import HostMemory
+from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.parallel.attention_op import AttentionParams
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
@@ -67,8 +68,17 @@ class ContextParallelAttention(ParallelStyle):
     (``shard_positions``) and which op runs the attention (``_attend``).
     """
 
-    def __init__(self, *, backend: str = "auto", kernel_device: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        kernel_device: str | None = None,
+        keep_attention: KeptAttention | None = None,
+    ) -> None:
         super().__init__()
+        self.kept = keep_attention
+        """Where each layer's attention output and LSE wait for backward's recompute (None:
+        recomputed; ``memory.kept_attention``)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.backend = backend
@@ -102,6 +112,7 @@ class ContextParallelAttention(ParallelStyle):
             scale=module.head_dim**-0.5,
             backend=self.backend,
             kernel_device=self.kernel_device or "",
+            keep="" if self.kept is None or not torch.is_grad_enabled() else self.kept.key(module),
         )
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
@@ -172,6 +183,13 @@ class UPipeAttention(ContextParallelAttention):
             then ``shard_positions`` cannot know the layout and raises.
         chunk_tokens (int, optional): tokens per global sequence chunk (after the all-to-all);
             ``None`` runs each stage over the whole sequence.
+        keep_attention (KeptAttention, optional): keep each layer's attention output and LSE
+            from forward (on the device or the host) so that a checkpointed block's recompute
+            skips the attention (``memory.kept_attention``); None recomputes it. Every style.
+        overlap_stages (bool): start each stage's all-to-alls before the previous stage's
+            attention and wait for them just before their use, so the exchanges run while
+            attention computes (one more stage's Q/K/V or output buffers in flight). No effect
+            with one stage (Ulysses) or with ``chunk_tokens``, whose exchanges are waited for.
         backend (str): local attention kernel: "auto" (flash-attn on CUDA if it imports, else
             PyTorch's own), "flash" (flash-attn), "cudnn" (aten's cuDNN attention) or "sdpa"
             (aten's flash kernel, memory-efficient for float32, the CPU kernel on CPU); see
@@ -194,11 +212,16 @@ class UPipeAttention(ContextParallelAttention):
         heads_per_stage: int | None = None,
         ring_degree: int | None = None,
         chunk_tokens: int | None = None,
+        overlap_stages: bool = True,
         backend: str = "auto",
         kernel_device: str | None = None,
+        keep_attention: KeptAttention | None = None,
         host_device: torch.device = torch.device("cpu"),
     ) -> None:
-        super().__init__(backend=backend, kernel_device=kernel_device)
+        super().__init__(
+            backend=backend, kernel_device=kernel_device, keep_attention=keep_attention
+        )
+        self.overlap_stages = overlap_stages
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(
                 f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}"
@@ -266,7 +289,7 @@ class UPipeAttention(ContextParallelAttention):
     def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
         params = super()._params(module, axes, seq_len)
         if self.chunk_tokens is None:
-            return params
+            return dataclasses.replace(params, overlap_stages=self.overlap_stages)
         chunks = chunk_count(seq_len, axes.cp_degree, self.chunk_tokens)
         return dataclasses.replace(params, chunks=chunks, store_name=self.host.name)
 
@@ -300,8 +323,14 @@ class UlyssesAttention(UPipeAttention):
         ring_degree: int | None = None,
         backend: str = "auto",
         kernel_device: str | None = None,
+        keep_attention: KeptAttention | None = None,
     ) -> None:
-        super().__init__(ring_degree=ring_degree, backend=backend, kernel_device=kernel_device)
+        super().__init__(
+            ring_degree=ring_degree,
+            backend=backend,
+            kernel_device=kernel_device,
+            keep_attention=keep_attention,
+        )
 
     def _stage_heads(self, n_heads: int, head_degree: int) -> int:
         return n_heads
@@ -319,6 +348,7 @@ class RingAttention(ContextParallelAttention):
 
     Keyword Args:
         backend, kernel_device: the local attention kernel, as for ``UPipeAttention``.
+        keep_attention: attention kept for the recompute, as for ``UPipeAttention``.
     """
 
     def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
@@ -346,6 +376,7 @@ class FPDTAttention(UPipeAttention):
     Keyword Args:
         chunk_tokens (int): tokens per global chunk (after the all-to-all); at least the CP degree.
         backend, kernel_device: the local attention kernel, as for ``UPipeAttention``.
+        keep_attention: attention kept for the recompute, as for ``UPipeAttention``.
         host_device (torch.device): where earlier chunks are parked (pinned on CUDA); the memory
             planner passes a stand-in it counts as host memory.
     """
@@ -356,12 +387,14 @@ class FPDTAttention(UPipeAttention):
         chunk_tokens: int,
         backend: str = "auto",
         kernel_device: str | None = None,
+        keep_attention: KeptAttention | None = None,
         host_device: torch.device = torch.device("cpu"),
     ) -> None:
         super().__init__(
             chunk_tokens=chunk_tokens,
             backend=backend,
             kernel_device=kernel_device,
+            keep_attention=keep_attention,
             host_device=host_device,
         )
 

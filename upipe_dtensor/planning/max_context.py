@@ -25,6 +25,8 @@ The search has two phases:
    faster end, one step per plan, as long as the plan still fits. The order spends the margin
    where it buys the most speed first:
 
+   - ``keep_attention``: kept attention outputs spare the recompute's attention forward, about
+     a quarter of a long-context step, for the outputs' memory (host first, then device);
    - ``sequence_chunks`` (UPipe x FPDT): with n chunks every query chunk fetches all earlier
      chunks' K/V from host memory (n(n-1)/2 host-to-device copies per stage instead of none) and
      attention runs as n(n+1)/2 smaller kernels: the costliest saving;
@@ -37,7 +39,9 @@ The search has two phases:
    - ``tile_sizes``: MLP, RMSNorm and loss tiles of a quarter or half the recipe's size cut
      their temporaries; at >= 1024 tokens per tile the extra launches are cheap;
    - ``block_input_prefetch``: without it one (S/C x D) copy per block is not hidden behind the
-     previous block's recompute, a fraction of a second per block that takes minutes.
+     previous block's recompute, a fraction of a second per block that takes minutes;
+   - ``overlap_stages``: the next head stage's exchanges in flight (several stage buffers) hide
+     all-to-alls that are a small share of the step on NVLink (sequence chunks wait anyway).
 
 Since relaxing only ever adds memory, the length of phase 1 stays the longest that fits. A
 relaxed setting is kept only if the step-time model (``planning.step_time``, the plan's ``speed``)
@@ -112,12 +116,14 @@ def _tiles(config: JobConfig, divisor: int, width: int, recipe: JobConfig) -> Jo
 
 
 KNOB_NAMES = (
+    "keep_attention",
     "sequence_chunks",
     "blocks_per_checkpoint",
     "heads_per_stage",
     "fsdp_cpu_offload",
     "tile_sizes",
     "block_input_prefetch",
+    "overlap_stages",
 )
 """Every setting the search knows, in relaxation order (see the module docstring)."""
 
@@ -129,6 +135,30 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
     args = model_args(config.model, config.training.seq_len)
     heads_axis = parallelism.head_degree
     found: dict[str, Knob | str] = {}
+    found["keep_attention"] = (
+        Knob(
+            "keep_attention",
+            ("none", "host", "device"),
+            ("activation_checkpoint.keep_attention",),
+            lambda c, where: _replace(c, "activation_checkpoint", keep_attention=where),
+            lambda where: (
+                "attention recomputed" if where == "none" else f"attention kept ({where})"
+            ),
+        )
+        if config.activation_checkpoint.mode == "full"
+        else "nothing is recomputed: [activation_checkpoint] mode is not 'full'"
+    )
+    found["overlap_stages"] = (
+        Knob(
+            "overlap_stages",
+            (False, True),
+            ("parallelism.overlap_stages",),
+            lambda c, on: _replace(c, "parallelism", overlap_stages=on),
+            lambda on: "stages overlapped" if on else "stages in turn",
+        )
+        if parallelism.cp_style == "upipe"
+        else f"UPipe's setting; cp_style is {parallelism.cp_style!r}"
+    )
     if parallelism.cp_style != "upipe":
         found["sequence_chunks"] = found["heads_per_stage"] = (
             f"UPipe's setting; cp_style is {parallelism.cp_style!r}"
@@ -206,7 +236,7 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         if config.activation_checkpoint.cpu_offload
         else "block inputs stay on the device: [activation_checkpoint] cpu_offload is off"
     )
-    return found
+    return {name: found[name] for name in KNOB_NAMES}
 
 
 def _valid_worlds(config: JobConfig, gpus_per_node: int, upto: int) -> list[int]:

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import JobConfig, check_job
+from upipe_dtensor.config.schema import Parallelism
 from upipe_dtensor.jobs.build import Placement
 from upipe_dtensor.jobs.parallelize import build_meshes, describe_cp_style
 from upipe_dtensor.jobs.trainer import Trainer
@@ -386,6 +387,16 @@ def plan_job(
     )
 
 
+def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:
+    """Head stages per pass whose exchanges fly during the previous stage's attention (UPipe's
+    ``overlap_stages`` without sequence chunks); 1 when every exchange is waited for at once."""
+    if parallelism.cp_style != "upipe" or not parallelism.overlap_stages:
+        return 1
+    if parallelism.chunk_tokens:
+        return 1
+    return n_heads // parallelism.stage_heads(n_heads)
+
+
 def _step_shape(trainer: Trainer, config: JobConfig, target: str) -> StepShape:
     """What the time model needs of the job besides the counted work."""
     training, parallelism = config.training, config.parallelism
@@ -404,6 +415,7 @@ def _step_shape(trainer: Trainer, config: JobConfig, target: str) -> StepShape:
         optimizer_on_host=training.enable_cpu_offload,
         all_gathers_per_step=2 if parallelism.fsdp_reshard_after_forward else 1,
         block_inputs_prefetched=config.activation_checkpoint.cpu_offload_prefetch,
+        overlapped_stages=_overlapped_stages(parallelism, args.n_heads),
         flops_per_token_causal=(flops_per_token + dense_flops_per_token) / 2,
         flops_per_token_torchtitan=flops_per_token,
     )

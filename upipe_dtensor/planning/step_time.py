@@ -7,8 +7,13 @@ Time on one rank, all ranks of a CP job doing the same work:
   / the kernel's FLOP/s (forward causal, forward full, backward; FlashAttention's counting) +
   the bytes of every other op / memory bandwidth + a fixed dispatch cost per op (zero on a GPU,
   where launches run ahead of the kernels; measured on CPU);
-- head all-to-alls (UPipe, Ulysses, FPDT): exposed whole. ``parallel/all_to_all.py`` waits for
-  each before the op that uses it, and nothing else runs meanwhile; plus a fixed latency per call;
+- head all-to-alls: with UPipe's overlapped stages (``overlap_stages``, n > 1 stages per pass)
+  stage s+1's exchanges fly during stage s's attention and stage s's outputs during stage s+1's
+  (``parallel/staged_attention.py``): per stage c = all-to-all / n seconds on the wire against
+  a = attention / n, the first stage of each pass waits whole and every other stage waits for
+  what its neighbour's attention does not cover: exposed = c + (n - 1) max(0, c - a).
+  Ulysses (one stage), FPDT and UPipe with ``overlap_stages = false`` wait for each exchange
+  before the op that uses it: exposed whole. Plus a fixed latency per call;
 - ring point-to-point (ring attention, 2D): posted before a block's kernel and waited after it
   (``parallel/ring.py``), so hidden behind attention compute; exposed = max(0, ring - attention);
 - FSDP2's all-gathers and reduce-scatters: on their own streams, the next block's all-gather
@@ -59,6 +64,9 @@ class StepShape:
     block_inputs_prefetched: bool
     flops_per_token_causal: float
     flops_per_token_torchtitan: float
+    overlapped_stages: int = 1
+    """n, the head stages per pass whose all-to-alls overlap attention (1: each waited at once,
+    as in the paper's code and in Ulysses)."""
 
 
 @dataclass
@@ -165,9 +173,13 @@ def predict_step_time(work: StepWork, shape: StepShape, profile: HardwareProfile
         optimizer_s = ADAMW_BYTES_PER_PARAM * shape.local_params / profile.memory_bytes_per_s
     host_exposed = waited / host_rate + max(0.0, overlapped / host_rate - compute_s)
 
+    stages = shape.overlapped_stages
+    a2a_stage, attention_stage = a2a_s / stages, attention_s / stages
+    a2a_exposed = a2a_stage + (stages - 1) * max(0.0, a2a_stage - attention_stage)
+
     breakdown = {
         "compute": compute_s,
-        "exposed head all-to-all": a2a_s,
+        "exposed head all-to-all": a2a_exposed,
         "exposed ring p2p": max(0.0, ring_s - attention_s),
         "exposed FSDP collectives": fsdp_exposed + reduce_s,
         "exposed host transfers": host_exposed,

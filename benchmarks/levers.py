@@ -1,0 +1,99 @@
+"""What each speed lever buys Llama3-8B UPipe on 8 x H100, predicted by the planner's step-time
+model from traced plans (no GPU measurement), against the paper's UPipe tokens/s per GPU.
+
+For each length the UPipe recipe is planned with the paper's stack (FA3, model states on the GPU,
+each all-to-all waited for at once: ``benchmarks/paper_throughput.py``), then with one lever more
+at a time:
+
+- kernel: the same counted work priced with FlashAttention-2's rates instead of FA3's (what this
+  repository ran before FA3, and what the paper's stack gains over it);
+- overlap: ``[parallelism] overlap_stages = true``, the next stage's all-to-alls during this
+  stage's attention;
+- kept attention: ``[activation_checkpoint] keep_attention``, on the device where that fits, else
+  on the host, else not at all (the row says which).
+
+Each step keeps the previous ones. The peak per GPU of every plan is printed with its speed, so a
+lever that does not fit shows it.
+
+    python benchmarks/levers.py                      # 128K, 1M, 5M (~10 min on 2 CPU cores)
+    python benchmarks/levers.py --lengths 128K
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from upipe_dtensor.config import parse_args
+from upipe_dtensor.planning.hardware import GPU_PROFILES
+from upipe_dtensor.planning.step import Plan, plan_job
+from upipe_dtensor.planning.step_time import predict_step_time
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from paper_throughput import LENGTHS, PAPER, PAPER_STACK  # noqa: E402
+
+GiB = 2**30
+
+
+def plan(length: str, *overrides: str) -> Plan:
+    recipe = REPO / "recipes" / f"llama3_8b_{length}.toml"
+    return plan_job(parse_args(["--config", str(recipe), *PAPER_STACK, *overrides]))
+
+
+def fa2_speed(planned: Plan) -> float:
+    """The plan's counted work priced with FlashAttention-2's attention rates."""
+    speed = planned.speed
+    shape = dataclasses.replace(speed.shape, backend="flash")
+    profile = GPU_PROFILES[planned.budget.gpu]
+    return predict_step_time(speed.counted, shape, profile).tokens_per_s_per_gpu
+
+
+def row(length: str) -> str:
+    paper = PAPER[("8B", "upipe")][LENGTHS.index(length)]
+    base = plan(length)
+    overlapped = plan(length, "--parallelism.overlap_stages", "true")
+    kept, where = overlapped, "none fits"
+    for candidate in ("device", "host"):
+        tried = plan(
+            length,
+            "--parallelism.overlap_stages",
+            "true",
+            "--activation_checkpoint.keep_attention",
+            candidate,
+        )
+        if tried.fits:
+            kept, where = tried, candidate
+            break
+    speeds = [
+        fa2_speed(base),
+        base.speed.tokens_per_s_per_gpu,
+        overlapped.speed.tokens_per_s_per_gpu,
+        kept.speed.tokens_per_s_per_gpu,
+    ]
+    peaks = [p.device_peak_bytes / GiB for p in (base, overlapped, kept)]
+    return (
+        f"| {length} | {paper:.2f} | {speeds[0]:.1f} | {speeds[1]:.1f} ({peaks[0]:.1f} GiB) | "
+        f"{speeds[2]:.1f} ({peaks[1]:.1f} GiB) | {speeds[3]:.1f} ({where}, {peaks[2]:.1f} GiB) | "
+        f"{speeds[3] / paper:.2f}x |"
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", nargs="+", default=["128K", "1M", "5M"], choices=LENGTHS)
+    args = parser.parse_args(argv)
+    print(
+        "| length | paper UPipe | FA2 | FA3, the paper's stack (peak) | + overlapped stages "
+        "| + kept attention | vs paper |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for length in args.lengths:
+        print(row(length), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,111 @@
+"""Attention kept from forward for backward's recompute (``[activation_checkpoint]
+keep_attention``).
+
+Full activation checkpointing reruns each block's forward in backward, attention included; at long
+context attention is most of a block's FLOPs, so that recompute costs about a quarter of the step.
+Keeping each layer's attention output and LSE from the first forward (what every attention op
+saves for its own backward) lets the recompute skip the attention: it only forms the layer's output
+``out @ wo.T`` again, one matmul. ``"device"`` keeps them on the device (per layer N*H*d*b plus
+the LSEs, N local tokens, from the layer's forward to its backward); ``"host"`` parks them in host
+memory through the shared ``memory.host_store`` and fetches each back during the recompute, the
+next layer's (backward runs layers in reverse) prefetched while the current one runs.
+
+A first forward is told from a recompute by whether autograd's engine is running a backward
+(``torch._C._current_graph_task_id``, the test ``torch.utils.checkpoint`` itself makes): a forward
+outside backward keeps (replacing what an earlier forward of the layer kept but never used), a
+recompute takes the layer's entry and drops it. Forwards without grad (evaluation) keep nothing:
+the style names no store for them (``parallel.style``; under ``torch.compile`` grad mode is
+guarded, so this holds in compiled blocks too). Results are exact: the kept tensors are what the
+recompute would compute again from the same input.
+
+Why not torch's selective checkpointing (``create_selective_checkpoint_contexts`` with the
+attention op as MUST_SAVE): its policy sees dispatched ops, while the memory planner runs the op's
+body transparently (``kernels.op_mode``) and would trace the recompute it skips; and it keeps on
+the device only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from upipe_dtensor.memory.host_store import HostMemory
+
+KeepAttention = Literal["none", "host", "device"]
+
+_NAMED: weakref.WeakValueDictionary[str, KeptAttention] = weakref.WeakValueDictionary()
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class KeptAttention:
+    """Each layer's (out, lse) from its forward until its recompute, on the device or the host."""
+
+    _names = itertools.count()
+
+    def __init__(self, where: KeepAttention, host_device: torch.device = torch.device("cpu")):
+        if where not in ("host", "device"):
+            raise ValueError(f"keep_attention must be 'host' or 'device' to keep, got {where!r}")
+        self.where = where
+        self.host = HostMemory(host_device) if where == "host" else None
+        self.name = f"kept-attention-{next(KeptAttention._names)}"
+        self._entries: dict[str, tuple] = {}  # layer -> (out, lse) or their Parked, forward order
+        _NAMED[self.name] = self
+
+    def key(self, layer: object) -> str:
+        """The op's ``AttentionParams.keep`` value for ``layer`` (any object; its identity)."""
+        return f"{self.name}/{id(layer)}"
+
+    def keep(self, layer: str, out: Tensor, lse: Tensor) -> None:
+        self._entries.pop(layer, None)  # an earlier forward's, never recomputed: re-inserted last
+        if self.host is None:
+            self._entries[layer] = (out, lse)
+        else:
+            store = self.host.store(out.device)
+            self._entries[layer] = (store.park(out), store.park(lse))
+
+    def take(self, layer: str) -> tuple[Tensor, Tensor] | None:
+        entry = self._entries.pop(layer, None)
+        if entry is None or self.host is None:
+            return entry
+        store = self.host.store(entry[0].device)
+        if self._entries:  # the layer recomputed next (the latest kept) starts coming back now
+            for parked in next(reversed(self._entries.values())):
+                store.prefetch(parked)
+        return tuple(store.retrieve(parked, release=True) for parked in entry)
+
+    def forward(
+        self, layer: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """An attention op's (y, out, lse): kept ones in a recompute, else ``run()``, kept."""
+        if in_backward():
+            kept = self.take(layer)
+            if kept is not None:
+                out, lse = kept
+                return out @ wo.t(), out, lse
+            return run()
+        y, out, lse = run()
+        self.keep(layer, out, lse)
+        return y, out, lse
+
+
+def kept_forward(
+    keep: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``KeptAttention.forward`` of the store and layer named by ``keep`` ("store/layer", from
+    ``KeptAttention.key``); just ``run()`` when ``keep`` is empty."""
+    if not keep:
+        return run()
+    name, layer = keep.rsplit("/", 1)
+    kept = _NAMED.get(name)
+    if kept is None:
+        raise ValueError(f"no kept attention named {name!r}: the style that owned it is gone")
+    return kept.forward(layer, wo, run)
