@@ -103,6 +103,8 @@ def configurations(setup: Setup) -> dict[str, list[str]]:
         "+tiled RMSNorm": norm,
         "+chunked loss": chunked,
         "all": [*offload, *tiled, *norm, *chunked],
+        # each block compiled (fullgraph), which the memory planner's eager trace does not see
+        "all, compiled": [*offload, *tiled, *norm, *chunked, "--compile.enable", "true"],
     }
 
 

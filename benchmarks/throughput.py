@@ -7,9 +7,10 @@ the step-time model's prediction beside each (priced with this machine's measure
 
 For each world size: ``benchmarks/cpu_profile.py`` under torchrun measures the profile, then each
 style trains the debug flavor for ``--steps`` steps under torchrun (``train.py``, the job's own
-``tok/s/dev`` log lines; the first step, which compiles nothing but warms caches, is dropped and
-the median of the rest taken), and the planner traces the same job on fake tensors
-(``plan_job(target="cpu")``) and prices it with the profile. Ratios are to the first style run
+``tok/s/dev`` log lines; the first step, which warms caches and compiles the compiled row's
+blocks, is dropped and the median of the rest taken), and the planner traces the same job on
+fake tensors (``plan_job(target="cpu")``, eager: it does not model compiled fusion) and prices
+it with the profile. Ratios are to the first style run
 (UPipe, its stages overlapped) in the same run.
 """
 
@@ -38,6 +39,7 @@ def styles(ranks: int) -> dict[str, list[str]]:
     found = {
         "UPipe (U = C)": [],
         "UPipe (U = C), stages not overlapped": ["--parallelism.overlap_stages", "false"],
+        "UPipe (U = C), compiled": ["--compile.enable", "true"],
         "Ulysses": ["--parallelism.cp_style", "ulysses"],
         "ring": ["--parallelism.cp_style", "ring"],
         "FPDT (4 chunks)": [

@@ -176,6 +176,7 @@ def test_max_context_on_two_nodes_prints_a_2d_recipe_without_sequence_chunks(
     assert "sequence chunks do not combine with a ring" in report["not_searched"]["sequence_chunks"]
 
 
+@pytest.mark.slow  # ~1 min; relaxing toward faster settings also runs in the objective-speed test
 def test_max_context_relaxes_to_faster_settings_when_the_device_has_room(
     tmp_path: Path, capsys
 ) -> None:
