@@ -3,7 +3,8 @@ H100s), for every cell our recipes express. A check, never a fit: the model's co
 hardware and kernel sources (``planning/hardware.py``) and none of them was set from this table.
 
 Each cell is the recipe of that model, style and length with the paper's stack: FA3 kernels, each
-all-to-all waited for at once (``overlap_stages = false``) and the model states on the GPU
+all-to-all waited for at once (``overlap_stages = false``), attention recomputed
+(``keep_attention = "none"``) and the model states on the GPU
 (``[training] enable_cpu_offload = false``); for 32B on 16 GPUs the paper's layout for Ulysses and
 UPipe, 8-way heads inside a node times a ring of 2 across the nodes (``ring_degree = 2``; U = 8).
 The rest (block inputs offloaded to the host, tiled MLP, chunked loss, FPDT's chunks) is the
@@ -54,6 +55,8 @@ PAPER_STACK = [  # the paper's code waits for each all-to-all: no overlapped sta
     "fa3",
     "--parallelism.overlap_stages",
     "false",
+    "--activation_checkpoint.keep_attention",
+    "none",
     "--training.enable_cpu_offload",
     "false",
 ]
