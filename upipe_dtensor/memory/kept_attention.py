@@ -54,7 +54,6 @@ class KeptAttention:
     def __init__(self, where: KeepAttention, host_device: torch.device = torch.device("cpu")):
         if where not in ("host", "device"):
             raise ValueError(f"keep_attention must be 'host' or 'device' to keep, got {where!r}")
-        self.where = where
         self.host = HostMemory(host_device) if where == "host" else None
         self.name = f"kept-attention-{next(KeptAttention._names)}"
         self._entries: dict[str, tuple] = {}  # layer -> (out, lse) or their Parked, forward order

@@ -101,21 +101,20 @@ class _ForwardInputs:
         return self.query.result(), kv
 
 
-class _BackwardInputs:
-    """A stage's exchanges into the head layout for backward, started: its queries, its slices
-    of the output and of the output's gradient, and K/V when it opens a KV block."""
+class _BackwardInputs(_ForwardInputs):
+    """A stage's exchanges into the head layout for backward, started: the forward's, and its
+    slices of the output and of the output's gradient."""
 
     def __init__(
         self, layer: _Layer, stage: Stage, rope: Tensor, out: Tensor, grad_y: Tensor, wo: Tensor
     ) -> None:
-        self.kv = layer.start_kv_for_block(stage.kv_block, rope) if stage.opens_kv_block else None
-        self.query = layer.start_query_for_stage(stage, rope)
+        super().__init__(layer, stage, rope)
         self.out = layer.start_to_heads(layer.read_stage(out, stage))
         self.grad_out = layer.start_output_grad(grad_y, wo, stage)
 
     def result(self) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-        kv = None if self.kv is None else (self.kv[0].result(), self.kv[1].result())
-        return self.query.result(), self.out.result(), self.grad_out.result(), kv
+        query, kv = super().result()
+        return query, self.out.result(), self.grad_out.result(), kv
 
 
 def _next(stages: tuple[Stage, ...], index: int, overlap: bool) -> Stage | None:

@@ -97,6 +97,14 @@ def _replace(config: JobConfig, section: str, **changes: Any) -> JobConfig:
     )
 
 
+def _setting(name: str, values: tuple, key: str, show: Callable[[Any], str]) -> Knob:
+    """A knob that writes one ``section.key`` of the config."""
+    section, field_name = key.split(".")
+    return Knob(
+        name, values, (key,), lambda c, value: _replace(c, section, **{field_name: value}), show
+    )
+
+
 def _chunks(config: JobConfig, count: int) -> JobConfig:
     seq_len = config.training.seq_len
     return _replace(
@@ -135,12 +143,12 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
     args = model_args(config.model, config.training.seq_len)
     heads_axis = parallelism.head_degree
     found: dict[str, Knob | str] = {}
+    not_upipe = f"UPipe's setting; cp_style is {parallelism.cp_style!r}"
     found["keep_attention"] = (
-        Knob(
+        _setting(
             "keep_attention",
             ("none", "host", "device"),
-            ("activation_checkpoint.keep_attention",),
-            lambda c, where: _replace(c, "activation_checkpoint", keep_attention=where),
+            "activation_checkpoint.keep_attention",
             lambda where: (
                 "attention recomputed" if where == "none" else f"attention kept ({where})"
             ),
@@ -149,20 +157,17 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         else "nothing is recomputed: [activation_checkpoint] mode is not 'full'"
     )
     found["overlap_stages"] = (
-        Knob(
+        _setting(
             "overlap_stages",
             (False, True),
-            ("parallelism.overlap_stages",),
-            lambda c, on: _replace(c, "parallelism", overlap_stages=on),
+            "parallelism.overlap_stages",
             lambda on: "stages overlapped" if on else "stages in turn",
         )
         if parallelism.cp_style == "upipe"
-        else f"UPipe's setting; cp_style is {parallelism.cp_style!r}"
+        else not_upipe
     )
     if parallelism.cp_style != "upipe":
-        found["sequence_chunks"] = found["heads_per_stage"] = (
-            f"UPipe's setting; cp_style is {parallelism.cp_style!r}"
-        )
+        found["sequence_chunks"] = found["heads_per_stage"] = not_upipe
     elif parallelism.ring_degree > 1:
         found["sequence_chunks"] = "sequence chunks do not combine with a ring across nodes"
     if "sequence_chunks" not in found:
@@ -178,11 +183,10 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         config.activation_checkpoint.mode == "full" and config.activation_checkpoint.cpu_offload
     )
     found["blocks_per_checkpoint"] = (
-        Knob(
+        _setting(
             "blocks_per_checkpoint",
             (2, 1),
-            ("activation_checkpoint.blocks_per_checkpoint",),
-            lambda c, k: _replace(c, "activation_checkpoint", blocks_per_checkpoint=k),
+            "activation_checkpoint.blocks_per_checkpoint",
             lambda k: "checkpoint pairs" if k == 2 else "checkpoint each block",
         )
         if offloaded
@@ -191,18 +195,13 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
     )
     if "heads_per_stage" not in found:
         valid = valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis)
-        found["heads_per_stage"] = Knob(
-            "heads_per_stage",
-            tuple(valid),
-            ("parallelism.heads_per_stage",),
-            lambda c, u: _replace(c, "parallelism", heads_per_stage=u),
-            lambda u: f"U={u}",
+        found["heads_per_stage"] = _setting(
+            "heads_per_stage", tuple(valid), "parallelism.heads_per_stage", lambda u: f"U={u}"
         )
-    found["fsdp_cpu_offload"] = Knob(
+    found["fsdp_cpu_offload"] = _setting(
         "fsdp_cpu_offload",
         (True, False),
-        ("training.enable_cpu_offload",),
-        lambda c, on: _replace(c, "training", enable_cpu_offload=on),
+        "training.enable_cpu_offload",
         lambda on: "FSDP offload" if on else "no FSDP offload",
     )
     tiled = [
@@ -226,11 +225,10 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         else "the recipe tiles nothing: [memory] tiled_mlp, tiled_rms_norm, chunked_loss are off"
     )
     found["block_input_prefetch"] = (
-        Knob(
+        _setting(
             "block_input_prefetch",
             (False, True),
-            ("activation_checkpoint.cpu_offload_prefetch",),
-            lambda c, on: _replace(c, "activation_checkpoint", cpu_offload_prefetch=on),
+            "activation_checkpoint.cpu_offload_prefetch",
             lambda on: "prefetch" if on else "no prefetch",
         )
         if config.activation_checkpoint.cpu_offload
