@@ -90,6 +90,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", nargs="+", default=["128K", "1M", "5M"], choices=LENGTHS)
     args = parser.parse_args(argv)
+    print("Predicted tokens/s per GPU (step-time model, h100-sxm profile), not GPU measurements.\n")
     print(
         "| length | paper UPipe | FA2 | FA3, the paper's stack (peak) | + overlapped stages "
         "| + kept attention | vs paper |"

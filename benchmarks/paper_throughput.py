@@ -117,7 +117,7 @@ def run(out: Path) -> None:
         temporary.write_text(json.dumps(results, indent=1))
         temporary.replace(out)
         speed = priced(results[key], H100_SXM).tokens_per_s_per_gpu
-        print(f"{key}: {speed:.1f} vs {paper} ({speed / paper - 1:+.1%})", flush=True)
+        print(f"{key}: predicted {speed:.1f} vs {paper} ({speed / paper - 1:+.1%})", flush=True)
 
 
 def table(results: dict, profile: HardwareProfile = H100_SXM) -> str:
@@ -170,6 +170,7 @@ def levers(results: dict, profile: HardwareProfile = H100_SXM) -> str:
     """What each lever buys UPipe, priced from the same counted work (predictions): the kernel
     (FlashAttention-2 -> FA3, the paper's stack) and overlapped stages; Ulysses on FA3 beside."""
     lines = [
+        f"Predicted tokens/s per GPU ({profile.name} profile), not GPU measurements.\n",
         "| model | length | paper UPipe | FA2 | FA3 (paper's stack) | FA3 + overlapped stages "
         "| vs paper UPipe | vs Ulysses (FA3) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
