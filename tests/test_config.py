@@ -137,6 +137,23 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
             16,
             "n_heads=8 is not divisible by the cp degree 16",
         ),
+        (
+            ["--activation_checkpoint.keep_attention_skip_first", "1"],
+            2,
+            r"keep_attention_skip_first = 1 chooses which blocks .* keep_attention = 'none'",
+        ),
+        (
+            [
+                "--activation_checkpoint.mode",
+                "full",
+                "--activation_checkpoint.keep_attention",
+                "host",
+                "--activation_checkpoint.keep_attention_skip_first",
+                "4",
+            ],
+            2,
+            r"leaves none of the model's 4 blocks keeping its attention; use at most 3",
+        ),
         (["--model.flavor", "70B"], 2, r"flavor = '70B' is unknown"),
         (["--training.dataset_path", "nowhere"], 2, r"dataset_path = 'nowhere' does not exist"),
         (["--training.steps", "0"], 2, r"\[training\] steps = 0 must be >= 1"),

@@ -223,6 +223,32 @@ def test_objective_speed_keeps_the_length_and_takes_the_fastest_settings_that_fi
     )
 
 
+def test_objective_speed_keeps_attention_in_as_many_blocks_as_fit() -> None:
+    """Where every block's kept attention would not fit the device, the speed search keeps it in
+    the last blocks, as many as the budget allows (``kept_layers``)."""
+
+    def config(*extra: str):
+        recipe = str(REPO / "recipes/debug_model.toml")
+        return parse_args(["--config", recipe, "--training.seq_len", "4096", *CHECKPOINTED, *extra])
+
+    recomputed = plan_job(config())
+    kept = plan_job(config("--activation_checkpoint.keep_attention", "device"))
+    per_block = (kept.device_peak_bytes - recomputed.device_peak_bytes) / 4  # 4 blocks
+    budget = Budget(device_bytes=int(recomputed.device_peak_bytes + 2.5 * per_block))
+    found = find_max_context(
+        config(), budget, search=["keep_attention", "kept_layers"], objective="speed"
+    )
+    skip = found.config.activation_checkpoint.keep_attention_skip_first
+    assert found.settings["keep_attention"] == "device" and 0 < skip < 4
+    assert found.plan.fits and found.plan.speed.step_time_s < recomputed.speed.step_time_s
+    one_more = [
+        plan
+        for settings, plan in found.plans
+        if settings == {"keep_attention": "device", "kept_layers": skip - 1}
+    ]
+    assert one_more and not one_more[0].fits
+
+
 def test_knobs_follow_the_layout() -> None:
     """Which settings apply where, and that a chosen chunk count is a valid configuration."""
     config = parse_args(

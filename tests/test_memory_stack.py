@@ -47,6 +47,8 @@ SWITCHES = {
         "false",
         "--activation_checkpoint.keep_attention",
         "host",
+        "--activation_checkpoint.keep_attention_skip_first",
+        "1",  # block 0 recomputes its attention, block 1 of its pair keeps it
     ],
 }
 ALL = [arg for args in SWITCHES.values() for arg in args]

@@ -173,19 +173,24 @@ def test_overlap_rules() -> None:
     }
     timed = predict_step_time(_work(communication=communication), _shape(), H100_SXM)
     parts = timed.time_breakdown_s
-    assert parts["exposed head all-to-all"] == pytest.approx(1.0)
+    latency = 10 * 11e-6  # 10 calls of 11 us each
+    assert parts["exposed head all-to-all"] == pytest.approx(1.0 + latency)
     # Four overlapped stages: 0.25 s of exchanges per stage under 0.5 s of attention, so only
-    # the first stage's wait shows; with 2.5 s of exchanges each later stage shows 0.125 s more.
+    # the first stage's wait shows (with its calls' latency); with 2.5 s of exchanges each later
+    # stage shows 0.125 s more.
     staged = predict_step_time(
         _work(communication=communication), _shape(overlapped_stages=4), H100_SXM
     )
-    assert staged.time_breakdown_s["exposed head all-to-all"] == pytest.approx(0.25)
+    assert staged.time_breakdown_s["exposed head all-to-all"] == pytest.approx((1.0 + latency) / 4)
     heavy = {("all_to_all", False): Traffic(335e9 * 2.5, 10)}
     staged = predict_step_time(_work(communication=heavy), _shape(overlapped_stages=4), H100_SXM)
-    assert staged.time_breakdown_s["exposed head all-to-all"] == pytest.approx(0.625 + 3 * 0.125)
+    per_stage = (2.5 + latency) / 4
+    assert staged.time_breakdown_s["exposed head all-to-all"] == pytest.approx(
+        per_stage + 3 * (per_stage - 0.5)
+    )
     assert parts["exposed ring p2p"] == 0
     assert parts["exposed FSDP collectives"] == pytest.approx(1.0)  # the first all-gather
-    assert parts["collective latency"] == pytest.approx(10 * 11e-6)
+    assert parts["all-reduce latency"] == 0
     slow_ring = {("p2p", True): Traffic(47e9 * 2.5, 4)}
     assert predict_step_time(_work(communication=slow_ring), _shape(), H100_SXM).time_breakdown_s[
         "exposed ring p2p"
@@ -229,10 +234,21 @@ def test_kept_attention_skips_the_recompute_and_costs_its_memory() -> None:
     recomputed = forward_flops(plans["none"])
     assert forward_flops(plans["device"]) == pytest.approx(recomputed / 2)
     assert forward_flops(plans["host"]) == pytest.approx(recomputed / 2)
+    # the first half of the blocks recompute theirs: three quarters of the forward FLOPs remain
+    args = model_args(parse_args(["--config", DEBUG]).model, 512)
+    _, half = _debug_plan(
+        *checkpointed,
+        "--activation_checkpoint.keep_attention",
+        "device",
+        "--activation_checkpoint.keep_attention_skip_first",
+        str(args.n_layers // 2),
+    )
+    assert forward_flops(half) == pytest.approx(recomputed * 3 / 4)
+    peaks = [plans["none"], half, plans["device"]]
+    assert sorted(peaks, key=lambda plan: plan.device_peak_bytes) == peaks
     assert plans["device"].speed.step_time_s < plans["none"].speed.step_time_s
     # one layer's output (B, S/C, H*d) in bf16, at least, kept through the peak
-    config, _ = _debug_plan()
-    args = model_args(config.model, 512)
+    config = parse_args(["--config", DEBUG])
     out_bytes = (
         2 * config.training.local_batch_size * 512 // 2 * args.n_heads * (args.dim // args.n_heads)
     )

@@ -50,6 +50,7 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("checkpoint", "keep_latest_k", 0),
         ("metrics", "log_freq", 1),
         ("activation_checkpoint", "cpu_offload_skip_last", 0),
+        ("activation_checkpoint", "keep_attention_skip_first", 0),
         ("activation_checkpoint", "blocks_per_checkpoint", 1),
         ("memory", "mlp_tile_tokens", 0),
         ("memory", "norm_tile_tokens", 0),
@@ -324,6 +325,23 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "set mode = 'full' as well (without checkpointing attention is never recomputed)",
             "activation_checkpoint.keep_attention",
             "activation_checkpoint.mode",
+        )
+    skip_first = config.activation_checkpoint.keep_attention_skip_first
+    if skip_first and config.activation_checkpoint.keep_attention == "none":
+        fail(
+            f"[activation_checkpoint] keep_attention_skip_first = {skip_first} chooses which "
+            "blocks keep their attention, but keep_attention = 'none' keeps none; set "
+            "keep_attention = 'host' or 'device', or keep_attention_skip_first = 0",
+            "activation_checkpoint.keep_attention_skip_first",
+            "activation_checkpoint.keep_attention",
+        )
+    if skip_first >= args.n_layers:
+        fail(
+            f"[activation_checkpoint] keep_attention_skip_first = {skip_first} leaves none of "
+            f"the model's {args.n_layers} blocks keeping its attention; use at most "
+            f"{args.n_layers - 1}, or keep_attention = 'none'",
+            "activation_checkpoint.keep_attention_skip_first",
+            "model.flavor",
         )
     if (
         config.activation_checkpoint.blocks_per_checkpoint > 1

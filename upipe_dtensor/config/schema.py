@@ -225,6 +225,10 @@ class ActivationCheckpoint:
     skips the attention (about a quarter of a long-context step): 'device' holds them on the GPU
     (per layer S/C x n_heads x head_dim x 2 bytes plus the LSEs), 'host' in host memory, fetched
     back during the recompute; 'none' recomputes attention. Needs mode = 'full'."""
+    keep_attention_skip_first: int = 0
+    """The first N blocks recompute their attention anyway, the others keep it: where the kept
+    outputs of every layer do not fit (Llama3-8B at 5M: 5 GiB per layer per GPU), the last
+    layers keep theirs, which backward takes first, so the kept memory drains from its start."""
     cpu_offload_skip_last: int = 1
     """The last N blocks keep their inputs on the device: backward needs them first."""
     blocks_per_checkpoint: int = 1

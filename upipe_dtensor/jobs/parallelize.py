@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
@@ -96,7 +96,9 @@ def kept_attention(setup: JobSetup) -> KeptAttention | None:
     return None if where == "none" else KeptAttention(where, setup.host_device)
 
 
-def make_cp_style(setup: JobSetup) -> ContextParallelAttention:
+def make_cp_style(
+    setup: JobSetup, keep_attention: KeptAttention | None
+) -> ContextParallelAttention:
     """The configured context-parallel style (``[parallelism] cp_style``), built from the job's
     resolved values (U, ring degree, sequence chunks, the attention backend and the device its
     kernels are chosen for) so its layout and kernels are known at once."""
@@ -104,7 +106,7 @@ def make_cp_style(setup: JobSetup) -> ContextParallelAttention:
     kernels = {
         "backend": setup.attention_backend,
         "kernel_device": setup.kernel_device,
-        "keep_attention": kept_attention(setup),
+        "keep_attention": keep_attention,
     }
     if parallelism.cp_style == "ring":
         return RingAttention(**kernels)
@@ -142,11 +144,21 @@ def describe_cp_style(parallelism: Parallelism, n_heads: int) -> str:
 def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallelAttention:
     """Apply the configured CP style to every attention module; returns the style, whose
     ``shard_positions`` says which tokens each CP rank feeds. 2D (ring_degree > 1) styles get the
-    (cp_ring, cp_heads) mesh, the others the flattened cp mesh."""
-    style = make_cp_style(setup)
+    (cp_ring, cp_heads) mesh, the others the flattened cp mesh. With kept attention the first
+    ``keep_attention_skip_first`` blocks get the same style without it."""
+    kept = kept_attention(setup)
+    style = make_cp_style(setup, kept)
+    plan: dict[str, ParallelStyle] = {"layers.*.attention": style}
+    skip_first = setup.config.activation_checkpoint.keep_attention_skip_first
+    if kept is not None and skip_first:
+        recomputed = make_cp_style(setup, None)
+        plan = {
+            f"layers.{name}.attention": recomputed if index < skip_first else style
+            for index, name in enumerate(model.layers.keys())
+        }
     meshes = setup.meshes
     mesh = meshes.cp_2d if setup.config.parallelism.ring_degree > 1 else meshes.cp
-    parallelize_module(model, mesh, {"layers.*.attention": style})
+    parallelize_module(model, mesh, plan)
     return style
 
 

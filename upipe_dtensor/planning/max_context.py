@@ -26,7 +26,10 @@ The search has two phases:
    where it buys the most speed first:
 
    - ``keep_attention``: kept attention outputs spare the recompute's attention forward, about
-     a quarter of a long-context step, for the outputs' memory (host first, then device);
+     a quarter of a long-context step, for the outputs' memory (host first, then device), tried
+     with the last eighth of the blocks keeping;
+   - ``kept_layers``: then more blocks keep theirs, an eighth of the model at a time
+     (``keep_attention_skip_first``), as far as the memory allows;
    - ``sequence_chunks`` (UPipe x FPDT): with n chunks every query chunk fetches all earlier
      chunks' K/V from host memory (n(n-1)/2 host-to-device copies per stage instead of none) and
      attention runs as n(n+1)/2 smaller kernels: the costliest saving;
@@ -112,6 +115,13 @@ def _chunks(config: JobConfig, count: int) -> JobConfig:
     )
 
 
+def _kept_layers(config: JobConfig, skip_first: int) -> JobConfig:
+    """Which blocks keep their attention; none to choose while attention is recomputed (the
+    ``keep_attention`` knob is applied first)."""
+    kept = config.activation_checkpoint.keep_attention != "none"
+    return _replace(config, "activation_checkpoint", keep_attention_skip_first=skip_first * kept)
+
+
 def _tiles(config: JobConfig, divisor: int, width: int, recipe: JobConfig) -> JobConfig:
     memory = recipe.memory
     return _replace(
@@ -125,6 +135,7 @@ def _tiles(config: JobConfig, divisor: int, width: int, recipe: JobConfig) -> Jo
 
 KNOB_NAMES = (
     "keep_attention",
+    "kept_layers",
     "sequence_chunks",
     "blocks_per_checkpoint",
     "heads_per_stage",
@@ -155,6 +166,17 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         )
         if config.activation_checkpoint.mode == "full"
         else "nothing is recomputed: [activation_checkpoint] mode is not 'full'"
+    )
+    found["kept_layers"] = (
+        Knob(
+            "kept_layers",
+            kept_layer_skips(args.n_layers),
+            ("activation_checkpoint.keep_attention_skip_first",),
+            _kept_layers,
+            lambda skip: f"{args.n_layers - skip} of {args.n_layers} blocks keep",
+        )
+        if config.activation_checkpoint.mode == "full"
+        else found["keep_attention"]
     )
     found["overlap_stages"] = (
         _setting(
@@ -235,6 +257,20 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         else "block inputs stay on the device: [activation_checkpoint] cpu_offload is off"
     )
     return {name: found[name] for name in KNOB_NAMES}
+
+
+def kept_layer_skips(n_layers: int) -> tuple[int, ...]:
+    """``keep_attention_skip_first`` values searched: the last eighth of the blocks keeping their
+    attention, then a quarter, ..., then all; the most memory-saving first."""
+    keeping = sorted({max(1, round(n_layers * eighth / 8)) for eighth in range(1, 9)})
+    return tuple(n_layers - count for count in keeping)
+
+
+def _inert(name: str, settings: dict[str, Any], base: JobConfig) -> bool:
+    """Whether a setting changes nothing under the others: which blocks keep their attention,
+    while attention is recomputed in all of them."""
+    keep = settings.get("keep_attention", base.activation_checkpoint.keep_attention)
+    return name == "kept_layers" and keep == "none"
 
 
 def _valid_worlds(config: JobConfig, gpus_per_node: int, upto: int) -> list[int]:
@@ -459,6 +495,8 @@ def find_max_context(
             )
         found = next(p for p in reversed(plans) if p.seq_len == best and p.fits)
     for knob in chosen:
+        if _inert(knob.name, settings, base):
+            continue
         for value in knob.values[knob.values.index(settings[knob.name]) + 1 :]:
             trial = {**settings, knob.name: value}
             plan = plan_at(trial, best)

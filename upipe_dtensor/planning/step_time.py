@@ -7,13 +7,14 @@ Time on one rank, all ranks of a CP job doing the same work:
   / the kernel's FLOP/s (forward causal, forward full, backward; FlashAttention's counting) +
   the bytes of every other op / memory bandwidth + a fixed dispatch cost per op (zero on a GPU,
   where launches run ahead of the kernels; measured on CPU);
-- head all-to-alls: with UPipe's overlapped stages (``overlap_stages``, n > 1 stages per pass)
-  stage s+1's exchanges fly during stage s's attention and stage s's outputs during stage s+1's
-  (``parallel/staged_attention.py``): per stage c = all-to-all / n seconds on the wire against
+- head all-to-alls, each call taking its bytes / bandwidth plus a fixed latency: with UPipe's
+  overlapped stages (``overlap_stages``, n > 1 stages per pass) stage s+1's exchanges fly during
+  stage s's attention and stage s's outputs during stage s+1's
+  (``parallel/staged_attention.py``): per stage c = (all-to-all + latency) / n seconds against
   a = attention / n, the first stage of each pass waits whole and every other stage waits for
-  what its neighbour's attention does not cover: exposed = c + (n - 1) max(0, c - a).
-  Ulysses (one stage), FPDT and UPipe with ``overlap_stages = false`` wait for each exchange
-  before the op that uses it: exposed whole. Plus a fixed latency per call;
+  what its neighbour's attention does not cover: exposed = c + (n - 1) max(0, c - a); a call in
+  flight hides its latency as it hides its bytes. Ulysses (one stage), FPDT and UPipe with
+  ``overlap_stages = false`` wait for each exchange before the op that uses it: exposed whole;
 - ring point-to-point (ring attention, 2D): posted before a block's kernel and waited after it
   (``parallel/ring.py``), so hidden behind attention compute; exposed = max(0, ring - attention);
 - FSDP2's all-gathers and reduce-scatters: on their own streams, the next block's all-gather
@@ -174,6 +175,7 @@ def predict_step_time(work: StepWork, shape: StepShape, profile: HardwareProfile
     host_exposed = waited / host_rate + max(0.0, overlapped / host_rate - compute_s)
 
     stages = shape.overlapped_stages
+    a2a_s += a2a_calls * profile.collective_latency_s
     a2a_stage, attention_stage = a2a_s / stages, attention_s / stages
     a2a_exposed = a2a_stage + (stages - 1) * max(0.0, a2a_stage - attention_stage)
 
@@ -184,7 +186,7 @@ def predict_step_time(work: StepWork, shape: StepShape, profile: HardwareProfile
         "exposed FSDP collectives": fsdp_exposed + reduce_s,
         "exposed host transfers": host_exposed,
         "optimizer": optimizer_s,
-        "collective latency": (a2a_calls + reduce_calls) * profile.collective_latency_s,
+        "all-reduce latency": reduce_calls * profile.collective_latency_s,
     }
     step = sum(breakdown.values())
     tokens = shape.tokens_per_gpu
