@@ -224,8 +224,8 @@ def test_objective_speed_keeps_the_length_and_takes_the_fastest_settings_that_fi
 
 
 def test_objective_speed_keeps_attention_in_as_many_blocks_as_fit() -> None:
-    """Where every block's kept attention would not fit the device, the speed search keeps it in
-    the last blocks, as many as the budget allows (``kept_layers``)."""
+    """Where every block's kept attention would not fit the device (and none fits the host), the
+    speed search keeps it on the device in the last blocks, as many as fit (``kept_layers``)."""
 
     def config(*extra: str):
         recipe = str(REPO / "recipes/debug_model.toml")
@@ -234,7 +234,10 @@ def test_objective_speed_keeps_attention_in_as_many_blocks_as_fit() -> None:
     recomputed = plan_job(config())
     kept = plan_job(config("--activation_checkpoint.keep_attention", "device"))
     per_block = (kept.device_peak_bytes - recomputed.device_peak_bytes) / 4  # 4 blocks
-    budget = Budget(device_bytes=int(recomputed.device_peak_bytes + 2.5 * per_block))
+    budget = Budget(
+        device_bytes=int(recomputed.device_peak_bytes + 2.5 * per_block),
+        host_bytes_per_node=recomputed.host_per_node_bytes,
+    )
     found = find_max_context(
         config(), budget, search=["keep_attention", "kept_layers"], objective="speed"
     )

@@ -26,10 +26,11 @@ The search has two phases:
    where it buys the most speed first:
 
    - ``keep_attention``: kept attention outputs spare the recompute's attention forward, about
-     a quarter of a long-context step, for the outputs' memory (host first, then device), tried
-     with the last eighth of the blocks keeping;
-   - ``kept_layers``: then more blocks keep theirs, an eighth of the model at a time
-     (``keep_attention_skip_first``), as far as the memory allows;
+     a quarter of a long-context step, for the outputs' memory (host first, then device,
+     each tried whether or not the other fits);
+   - ``kept_layers``: with each place, as many blocks keep theirs as fit there, from the last
+     eighth of the model up, an eighth at a time (``keep_attention_skip_first``); then the
+     places are compared (at 5M four blocks fit on the device, sixteen on the host);
    - ``sequence_chunks`` (UPipe x FPDT): with n chunks every query chunk fetches all earlier
      chunks' K/V from host memory (n(n-1)/2 host-to-device copies per stage instead of none) and
      attention runs as n(n+1)/2 smaller kernels: the costliest saving;
@@ -494,16 +495,31 @@ def find_max_context(
                 + min(plans, key=lambda p: p.seq_len).render()
             )
         found = next(p for p in reversed(plans) if p.seq_len == best and p.fits)
-    for knob in chosen:
-        if _inert(knob.name, settings, base):
-            continue
+
+    def relax(knob: Knob, settings: dict[str, Any], found: Plan) -> tuple[dict[str, Any], Plan]:
+        """One value further at a time while it fits, kept where no slower. Where the attention
+        is kept, each place is first given as many keeping blocks as fit there, then compared:
+        four blocks kept on the device may fit and be as fast as four on the host, yet the host
+        may have room for sixteen."""
+        blocks = next((k for k in chosen if k.name == "kept_layers"), None)
         for value in knob.values[knob.values.index(settings[knob.name]) + 1 :]:
             trial = {**settings, knob.name: value}
             plan = plan_at(trial, best)
             if not plan.fits:
+                if knob.name == "keep_attention":
+                    continue  # the host's memory is not the device's: try the next place
                 break
+            if knob.name == "keep_attention" and blocks is not None:
+                trial, plan = relax(blocks, trial, plan)
             if _no_slower(plan, found):
                 settings, found = trial, plan
+        return settings, found
+
+    searched = {knob.name for knob in chosen}
+    for knob in chosen:
+        joint = knob.name == "kept_layers" and "keep_attention" in searched  # relaxed with it
+        if not joint and not _inert(knob.name, settings, base):
+            settings, found = relax(knob, settings, found)
     return MaxContext(
         configured(settings, best),
         found,
