@@ -504,6 +504,8 @@ def find_max_context(
         blocks = next((k for k in chosen if k.name == "kept_layers"), None)
         for value in knob.values[knob.values.index(settings[knob.name]) + 1 :]:
             trial = {**settings, knob.name: value}
+            if knob.name == "keep_attention" and blocks is not None:
+                trial[blocks.name] = blocks.values[0]  # each place from its fewest blocks
             plan = plan_at(trial, best)
             if not plan.fits:
                 if knob.name == "keep_attention":
