@@ -24,7 +24,8 @@ class Exchange:
     layout. Started exchanges run while the caller computes (NCCL on its own stream, gloo on its
     worker threads), so a stage's exchange can fly during the previous stage's attention. The
     send buffer stays referenced until the exchange is waited for: the library reads it
-    meanwhile."""
+    meanwhile. ``result()`` is taken once and lets go of both buffers, so what the caller frees
+    is freed, however long it keeps the exchange."""
 
     def __init__(
         self,
@@ -44,8 +45,8 @@ class Exchange:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        self._send = None
-        return self._arrange(self._recv)
+        recv, self._send, self._recv = self._recv, None, None
+        return self._arrange(recv)
 
 
 def _start(send: Tensor, group: dist.ProcessGroup | None, arrange) -> Exchange:
