@@ -267,11 +267,11 @@ def kept_layer_skips(n_layers: int) -> tuple[int, ...]:
     return tuple(n_layers - count for count in keeping)
 
 
-def _inert(name: str, settings: dict[str, Any], base: JobConfig) -> bool:
+def _inert(name: str, settings: dict[str, Any], recipe_keep: str) -> bool:
     """Whether a setting changes nothing under the others: which blocks keep their attention,
-    while attention is recomputed in all of them."""
-    keep = settings.get("keep_attention", base.activation_checkpoint.keep_attention)
-    return name == "kept_layers" and keep == "none"
+    while attention is recomputed in all of them (``recipe_keep``: the recipe's
+    ``keep_attention``, where the search does not set it)."""
+    return name == "kept_layers" and settings.get("keep_attention", recipe_keep) == "none"
 
 
 def _valid_worlds(config: JobConfig, gpus_per_node: int, upto: int) -> list[int]:
@@ -359,8 +359,12 @@ class MaxContext:
         }
 
 
-def describe(settings: dict[str, Any], searched: list[Knob]) -> str:
-    return ", ".join(knob.show(settings[knob.name]) for knob in searched)
+def describe(settings: dict[str, Any], searched: list[Knob], recipe_keep: str) -> str:
+    return ", ".join(
+        knob.show(settings[knob.name])
+        for knob in searched
+        if not _inert(knob.name, settings, recipe_keep)
+    )
 
 
 def find_max_context(
@@ -404,6 +408,7 @@ def find_max_context(
         for n, k in available.items()
         if not any(n == c.name for c in chosen)
     }
+    recipe_keep = base.activation_checkpoint.keep_attention
     granule = GRANULE_TOKENS_PER_RANK * world_size
     start = config.training.seq_len * world_size // recipe_world
     history: list[tuple[dict[str, Any], Plan]] = []
@@ -419,7 +424,8 @@ def find_max_context(
         history.append((dict(settings), plan))
         speed = f", {plan.speed.tokens_per_s_per_gpu:,.1f} tokens/s per GPU" if plan.speed else ""
         log(
-            f"  {seq_len:>12,} tokens, {describe(settings, chosen) or 'recipe settings'}: "
+            f"  {seq_len:>12,} tokens, "
+            f"{describe(settings, chosen, recipe_keep) or 'recipe settings'}: "
             f"{plan.device_peak_bytes / GiB:7.2f} GiB device, "
             f"{plan.host_per_node_bytes / GiB:8.1f} GiB "
             f"host/node -> {plan.verdict}{speed}"
@@ -520,7 +526,7 @@ def find_max_context(
     searched = {knob.name for knob in chosen}
     for knob in chosen:
         joint = knob.name == "kept_layers" and "keep_attention" in searched  # relaxed with it
-        if not joint and not _inert(knob.name, settings, base):
+        if not joint and not _inert(knob.name, settings, recipe_keep):
             settings, found = relax(knob, settings, found)
     return MaxContext(
         configured(settings, best),
