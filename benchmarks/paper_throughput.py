@@ -57,6 +57,8 @@ PAPER_STACK = [  # the paper's code waits for each all-to-all: no overlapped sta
     "false",
     "--activation_checkpoint.keep_attention",
     "none",
+    "--activation_checkpoint.keep_attention_skip_first",
+    "0",
     "--training.enable_cpu_offload",
     "false",
 ]
