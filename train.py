@@ -1,6 +1,6 @@
 """Train a Llama3 model with FSDP2 + UPipe context parallelism from a TOML job file.
 
-    torchrun --nproc_per_node 2 train.py --config recipes/debug_model.toml
+    torchrun --nproc_per_node 2 train.py --config train_configs/debug_model.toml
     torchrun --nproc_per_node 8 train.py --config recipes/llama3_8b_5M.toml --training.steps 20
 
 Any ``--section.key value`` after the config overrides that key of the file.
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         if config.config_file is None:  # all defaults is never what a training job meant
             raise ConfigError(
                 "command line: --config FILE.toml is required (e.g. --config "
-                "recipes/debug_model.toml); --help lists every --section.key option"
+                "train_configs/debug_model.toml); --help lists every --section.key option"
             )
         if error := _launcher_error(argv, config):
             raise error

@@ -113,7 +113,7 @@ def _job(setup: Setup, dump_folder: str, overrides: list[str]) -> list[str]:
     script runs from any directory."""
     return [
         "--config",
-        str(REPO / "recipes/debug_model.toml"),
+        str(REPO / "train_configs/debug_model.toml"),
         "--job.dump_folder",
         dump_folder,
         "--model.tokenizer_path",

@@ -30,7 +30,7 @@ from upipe_dtensor.planning.hardware import load_profile
 from upipe_dtensor.planning.step import plan_job
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "recipes/debug_model.toml"
+DEBUG = REPO / "train_configs/debug_model.toml"
 SEQ_LEN = 2048
 
 

@@ -25,7 +25,7 @@ def _write(tmp_path: Path, name: str, text: str) -> str:
 
 
 def test_debug_config_is_valid() -> None:
-    config = parse_args(["--config", str(REPO / "recipes/debug_model.toml")])
+    config = parse_args(["--config", str(REPO / "train_configs/debug_model.toml")])
     assert config.parallelism.context_parallel_degree == 2
     assert check_job(config, world_size=2) == 1
 
@@ -167,7 +167,8 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
 def test_impossible_combinations(overrides: list[str], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         check_job(
-            parse_args(["--config", str(REPO / "recipes/debug_model.toml"), *overrides]), world
+            parse_args(["--config", str(REPO / "train_configs/debug_model.toml"), *overrides]),
+            world,
         )
 
 
@@ -194,6 +195,14 @@ def test_config_folder_is_not_a_file(tmp_path: Path) -> None:
     _write(tmp_path, "a.toml", "")
     with pytest.raises(ConfigError, match=r"is a folder; pass a .toml job file, e.g. .*a.toml"):
         load_config(str(tmp_path))
+
+
+def test_moved_configs_name_their_new_place() -> None:
+    """The debug and base jobs moved from recipes/ to train_configs/: the old path says where."""
+    with pytest.raises(ConfigError, match=r"it moved to train_configs/debug_model.toml"):
+        parse_args(["--config", str(REPO / "recipes/debug_model.toml")])
+    with pytest.raises(ConfigError, match=r"it moved to train_configs/llama3_8b_2d_base.toml"):
+        parse_args(["--config", str(REPO / "recipes/multinode/llama3_8b_2d_base.toml")])
 
 
 def test_errors_blame_where_the_value_was_written(tmp_path: Path) -> None:
@@ -229,7 +238,7 @@ def test_train_py_help_no_config_and_no_torchrun(capsys, monkeypatch) -> None:
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    debug = str(REPO / "recipes/debug_model.toml")
+    debug = str(REPO / "train_configs/debug_model.toml")
     assert train.main(["--config", debug]) == 2
     processes = parse_args(["--config", debug]).parallelism.context_parallel_degree
     assert (
@@ -245,7 +254,7 @@ def test_tokenizer_folder_without_tokenizer_json_is_a_config_error(tmp_path: Pat
     config = parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--parallelism.context_parallel_degree",
             "1",
             "--model.tokenizer_path",
@@ -276,7 +285,7 @@ def _bad_jobs_fail_before_the_model(rank: int, world: int, tmp: str) -> None:
     dist.barrier()
     base = [
         "--config",
-        str(REPO / "recipes/debug_model.toml"),
+        str(REPO / "train_configs/debug_model.toml"),
         "--training.seq_len",
         "64",
         "--parallelism.context_parallel_degree",

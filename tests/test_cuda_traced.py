@@ -31,7 +31,7 @@ from upipe_dtensor.runtime.metrics import peak_flops
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = str(REPO / "recipes/debug_model.toml")
+DEBUG = str(REPO / "train_configs/debug_model.toml")
 KERNEL_OPS = {
     "flash": "_flash_attention_forward",
     "flash_bwd": "_flash_attention_backward",

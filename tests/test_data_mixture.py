@@ -24,7 +24,7 @@ from upipe_dtensor.data.mixture import COPY_SPREAD, SourceStream
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG_RECIPE = REPO / "recipes" / "debug_model.toml"
+DEBUG_RECIPE = REPO / "train_configs" / "debug_model.toml"
 
 
 class _Words:

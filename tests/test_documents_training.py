@@ -46,7 +46,7 @@ def _config(dump: Path, cp: int, corpus: str, extra: list[str]):
     return parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--job.dump_folder",
             str(dump),
             "--training.dataset_path",

@@ -25,7 +25,7 @@ SEQ_LEN = 64
 def _write_job(tmp: Path) -> Path:
     job = tmp / "job.toml"
     job.write_text(
-        f'extends = "{REPO / "recipes/debug_model.toml"}"\n'
+        f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
         f'[job]\ndump_folder = "{tmp / "out"}"\n'
         f"[training]\nseq_len = {SEQ_LEN}\nlocal_batch_size = 2\nsteps = 4\n"
         f"[parallelism]\ncontext_parallel_degree = 1\n"

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
 JOB = [
     "--config",
-    str(REPO / "recipes/debug_model.toml"),
+    str(REPO / "train_configs/debug_model.toml"),
     "--training.seq_len",
     "64",
     "--training.local_batch_size",
@@ -363,6 +363,6 @@ def test_planner_rejects_bad_options_listing_valid_ones(
     capsys, options: list[str], message: str
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        plan.main(["--config", str(REPO / "recipes/debug_model.toml"), *options])
+        plan.main(["--config", str(REPO / "train_configs/debug_model.toml"), *options])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

@@ -32,7 +32,7 @@ def test_flavor_builds_shards_and_steps(
         config = parse_args(
             [
                 "--config",
-                str(REPO / "recipes/debug_model.toml"),
+                str(REPO / "train_configs/debug_model.toml"),
                 "--job.dump_folder",
                 str(tmp_path),
                 "--model.flavor",

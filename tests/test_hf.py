@@ -39,7 +39,7 @@ def _job(dump: Path, hf: Path, *extra: str):
     return parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--job.dump_folder",
             str(dump),
             "--model.flavor",
@@ -176,7 +176,7 @@ def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_fo
         ).loss.item()  # transformers' own shift
     job = tmp_path / "eval.toml"
     job.write_text(
-        f'extends = "{REPO / "recipes/debug_model.toml"}"\n'
+        f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
         f'[job]\ndump_folder = "{tmp_path / "out"}"\n'
         f'[model]\nflavor = "hf"\nhf_assets_path = "{hf_folder}"\ntokenizer_path = ""\n'
         f"[checkpoint]\ninitial_load_in_hf = true\n"
@@ -369,7 +369,7 @@ def test_initial_load_and_evaluate_inputs_fail_early_with_the_fix(
 
     job = tmp_path / "job.toml"
     job.write_text(
-        f'extends = "{REPO / "recipes/debug_model.toml"}"\n'
+        f'extends = "{REPO / "train_configs/debug_model.toml"}"\n'
         f'[job]\ndump_folder = "{tmp_path / "empty"}"\n'
     )
     for array, message in [

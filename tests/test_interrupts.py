@@ -30,7 +30,7 @@ def _job(dump: Path, corpus: Path, *extra: str) -> list[str]:
     return [
         str(REPO / "train.py"),
         "--config",
-        str(REPO / "recipes/debug_model.toml"),
+        str(REPO / "train_configs/debug_model.toml"),
         "--training.seq_len",
         "64",
         "--training.local_batch_size",

@@ -107,7 +107,7 @@ def test_length_search_finds_the_limit_of_known_curves(resolution: float) -> Non
 def _max_context_json(tmp_path: Path, capsys, *args: str, recipe: str = "debug_model.toml") -> dict:
     """Run ``plan --max-context --json`` on a copy of the debug config in tmp_path (so the printed
     recipe can be saved next to it), or on ``recipe`` there, and return the report."""
-    shutil.copy(REPO / "recipes/debug_model.toml", tmp_path / "debug_model.toml")
+    shutil.copy(REPO / "train_configs/debug_model.toml", tmp_path / "debug_model.toml")
     code = plan_cli.main(
         ["--config", str(tmp_path / recipe), "--max-context", "--json", *CHECKPOINTED, *args]
     )
@@ -208,7 +208,7 @@ def test_objective_speed_keeps_the_length_and_takes_the_fastest_settings_that_fi
 ) -> None:
     """At the recipe's own length: U from C up to every head (fewer all-to-all calls), each step
     kept only where the step-time model predicts it no slower; the printed recipe loads."""
-    shutil.copy(REPO / "recipes/debug_model.toml", tmp_path / "debug_model.toml")
+    shutil.copy(REPO / "train_configs/debug_model.toml", tmp_path / "debug_model.toml")
     args = ["--config", str(tmp_path / "debug_model.toml"), "--objective", "speed", "--json"]
     assert plan_cli.main([*args, *CHECKPOINTED, "--search", "heads_per_stage"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -228,7 +228,7 @@ def test_objective_speed_keeps_attention_in_as_many_blocks_as_fit() -> None:
     speed search keeps it on the device in the last blocks, as many as fit (``kept_layers``)."""
 
     def config(*extra: str):
-        recipe = str(REPO / "recipes/debug_model.toml")
+        recipe = str(REPO / "train_configs/debug_model.toml")
         return parse_args(["--config", recipe, "--training.seq_len", "4096", *CHECKPOINTED, *extra])
 
     recomputed = plan_job(config())
@@ -257,7 +257,7 @@ def test_knobs_follow_the_layout() -> None:
     config = parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--training.seq_len",
             "8192",
             *CHECKPOINTED,
@@ -296,7 +296,7 @@ def test_knobs_follow_the_layout() -> None:
             parse_args(
                 [
                     "--config",
-                    str(REPO / "recipes/debug_model.toml"),
+                    str(REPO / "train_configs/debug_model.toml"),
                     "--parallelism.cp_style",
                     "ulysses",
                 ]
@@ -320,19 +320,24 @@ def test_knobs_follow_the_layout() -> None:
 )
 def test_bad_options_name_the_choices(args: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        plan_cli.main(["--config", str(REPO / "recipes/debug_model.toml"), *args])
+        plan_cli.main(["--config", str(REPO / "train_configs/debug_model.toml"), *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_settings_that_cannot_apply_are_config_errors() -> None:
-    config = parse_args(["--config", str(REPO / "recipes/debug_model.toml")])
+    config = parse_args(["--config", str(REPO / "train_configs/debug_model.toml")])
     with pytest.raises(
         ConfigError,
         match=r"do not split over 3 ranks; world sizes that work for this model: 1, 2, 4, 8",
     ):
         find_max_context(config, Budget(), world_size=3)
     ulysses = parse_args(
-        ["--config", str(REPO / "recipes/debug_model.toml"), "--parallelism.cp_style", "ulysses"]
+        [
+            "--config",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--parallelism.cp_style",
+            "ulysses",
+        ]
     )
     with pytest.raises(
         ConfigError,

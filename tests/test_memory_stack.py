@@ -61,7 +61,7 @@ def _loss_and_grads(
     config = parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--job.dump_folder",
             tmp,
             "--training.seq_len",

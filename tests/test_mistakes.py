@@ -29,7 +29,7 @@ from upipe_dtensor.models.hf_config import args_from_hf
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = str(REPO / "recipes/debug_model.toml")
+DEBUG = str(REPO / "train_configs/debug_model.toml")
 TINY_CONFIG = {  # a Llama small enough to convert in a blink, and not the debug model's shape
     "model_type": "llama",
     "hidden_size": 64,

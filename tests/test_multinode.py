@@ -26,7 +26,7 @@ def _job(dump: Path) -> list[str]:
     return [
         "train.py",
         "--config",
-        "recipes/debug_model.toml",
+        "train_configs/debug_model.toml",
         "--parallelism.context_parallel_degree",
         "4",
         "--parallelism.ring_degree",

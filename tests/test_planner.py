@@ -90,7 +90,7 @@ def _config(tmp: str, cp: int, extra: list[str]):
     return parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--job.dump_folder",
             tmp,
             "--training.seq_len",
@@ -165,7 +165,7 @@ def test_cli_json_and_sweep(tmp_path: Path) -> None:
         "-m",
         "upipe_dtensor.plan",
         "--config",
-        str(REPO / "recipes/debug_model.toml"),
+        str(REPO / "train_configs/debug_model.toml"),
     ]
     # a compiled job plans (eager: dynamo cannot trace under the planner's dispatch modes)
     result = subprocess.run(
@@ -258,7 +258,7 @@ def test_planning_visits_a_few_iterations_and_plans_the_same(
     config = parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--job.dump_folder",
             str(tmp_path),
             "--training.local_batch_size",

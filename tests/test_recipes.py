@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(
     p
-    for p in (REPO / "recipes").rglob("*.toml")
+    for p in [*(REPO / "recipes").rglob("*.toml"), *(REPO / "train_configs").glob("*.toml")]
     if not p.stem.endswith("_base") and p.stem != "debug_model"
 )
 

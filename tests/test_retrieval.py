@@ -31,7 +31,7 @@ LENGTHS, DEPTHS = "96,160", "0,0.5,1"
 def _overrides(dump: Path, hf: Path, *extra: str) -> list[str]:
     return [
         "--config",
-        str(REPO / "recipes/debug_model.toml"),
+        str(REPO / "train_configs/debug_model.toml"),
         "--job.dump_folder",
         str(dump),
         "--model.flavor",
@@ -172,7 +172,7 @@ def _debug_job(dump: Path) -> list[str]:
     """The debug model's job writing to ``dump``, with no weights."""
     return [
         "--config",
-        str(REPO / "recipes/debug_model.toml"),
+        str(REPO / "train_configs/debug_model.toml"),
         "--job.dump_folder",
         str(dump),
         "--model.tokenizer_path",

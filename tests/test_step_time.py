@@ -25,7 +25,7 @@ from upipe_dtensor.planning.step_work import StepWork, Traffic, attention_flops,
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = str(REPO / "recipes/debug_model.toml")
+DEBUG = str(REPO / "train_configs/debug_model.toml")
 
 
 @pytest.mark.parametrize("seq_q,seq_k", [(7, 7), (3, 9), (9, 3), (1, 5), (6, 1)])

@@ -22,7 +22,7 @@ def _config(dump: Path, cp: int, extra: list[str]):
     return parse_args(
         [
             "--config",
-            str(REPO / "recipes/debug_model.toml"),
+            str(REPO / "train_configs/debug_model.toml"),
             "--job.dump_folder",
             str(dump),
             "--training.seq_len",

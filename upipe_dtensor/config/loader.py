@@ -28,7 +28,7 @@ else:  # pragma: no cover
 OVERRIDES_HELP = (
     "--config FILE.toml names the job file. Any --section.key value (or --section.key=value)\n"
     "after it overrides that key of the file, e.g.\n"
-    "    --config recipes/debug_model.toml --training.seq_len 4096 --parallelism.cp_style ulysses\n"
+    "    --config train_configs/debug_model.toml --parallelism.cp_style ulysses\n"
     "python train.py --help lists every section and key."
 )
 """How every command's ``--help`` explains the job file and its overrides (one wording)."""
@@ -141,6 +141,19 @@ def _coerce(value: Any, annotation: Any, where: str, *, from_text: bool = False)
     raise ConfigError(f"{where} = {value!r} should be of type {type_name}{fix}")
 
 
+MOVED_CONFIGS = {
+    "debug_model.toml": "debug_model.toml",
+    "llama3_8b_base.toml": "llama3_8b_base.toml",
+    "llama3_32b_base.toml": "llama3_32b_base.toml",
+    "llama3_8b_long.toml": "llama3_8b_long.toml",
+    "llama3_32b_long.toml": "llama3_32b_long.toml",
+    "multinode/llama3_8b_2d_base.toml": "llama3_8b_2d_base.toml",
+    "multinode/llama3_32b_2d_base.toml": "llama3_32b_2d_base.toml",
+}
+"""Job configs that lived in recipes/ until the base and debug configs moved to train_configs/:
+recipes/<key> -> train_configs/<value>, named in the error for an old path."""
+
+
 def _read_toml(
     path: Path, seen: tuple[Path, ...] = (), extended_by: str = ""
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str], list[str]]:
@@ -160,6 +173,8 @@ def _read_toml(
             if extended_by
             else "pass --config PATH to a .toml job file"
         )
+        if moved := MOVED_CONFIGS.get(path.as_posix().split("/recipes/")[-1]):
+            fix = f"it moved to train_configs/{moved}: use that path"
         raise ConfigError(f"{extended_by}config file {shown} does not exist; {fix}")
     if path in seen:
         raise ConfigError(f"{shown}: 'extends' cycle through {' -> '.join(map(_shown, seen))}")

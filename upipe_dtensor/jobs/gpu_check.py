@@ -7,7 +7,7 @@
    backend that works here (fa3, fa4, cudnn, flash, sdpa; the others are listed with the reason),
    against a float64 copy of the unsharded model. Beside each error stands the unsharded bf16
    model's own: the ratio is what the CPU tests bound by 1.5 (``tests/test_bf16.py``).
-2. Speed and memory. One training step of the 8B shape (``recipes/llama3_8b_base.toml``, the
+2. Speed and memory. One training step of the 8B shape (``train_configs/llama3_8b_base.toml``, the
    whole node on one sequence of ``--tokens-per-gpu`` x N tokens, FSDP CPU offload when the
    planner says the model states do not fit): tokens/s per GPU and the peak allocated and
    reserved memory, beside the planner's prediction for the same job (``plan_job``, the same
@@ -312,7 +312,9 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--recipe", default="recipes/llama3_8b_base.toml", help="the step's job")
+    parser.add_argument(
+        "--recipe", default="train_configs/llama3_8b_base.toml", help="the step's job"
+    )
     parser.add_argument("--flavor", default="8B", help="the step's model (debugmodel on CPU)")
     parser.add_argument("--tokens-per-gpu", type=int, default=8192, help="the step's context / GPU")
     parser.add_argument("--no-step", dest="step", action="store_false", help="parity only")
