@@ -25,7 +25,13 @@ from upipe_dtensor import convert, evaluate, plan
 from upipe_dtensor.checkpointing.weights import save_dcp_weights, unloaded_hf_weights
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.data.checks import data_changes, data_fingerprint, scan_local_data
-from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, documents_digest
+from upipe_dtensor.data.loader import (
+    HubDocuments,
+    LocalDocuments,
+    build_tokenizer,
+    documents_digest,
+)
+from upipe_dtensor.jobs.evaluate import read_tokens
 from upipe_dtensor.jobs.trainer import _described
 from upipe_dtensor.models import Llama3
 from upipe_dtensor.models.hf_config import args_from_hf
@@ -231,6 +237,23 @@ def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
     config = parse_args(["--config", DEBUG, *hf, "--checkpoint.initial_load_in_hf", "false"])
     assert unloaded_hf_weights(config) == ""  # the seed's weights, written down: no question
     assert unloaded_hf_weights(parse_args(["--config", DEBUG])) == ""
+
+
+def test_the_token_file_recipe_makes_what_evaluate_reads(tmp_path: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("tokens", REPO / "scripts/make_eval_tokens.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "eval.npy"
+    corpus = str(REPO / "assets/corpus")
+    tokenizer = str(REPO / "assets/tokenizer")
+    args = [corpus, str(out), "--rows", "3", "--seq-len", "256", "--tokenizer", tokenizer]
+    assert script.main(args) == 0
+    tokens = read_tokens(str(out))  # what evaluate --tokens accepts
+    assert tokens.shape == (3, 256) and tokens[0, 0] == build_tokenizer(tokenizer).bos_id
+    assert 0 <= tokens.min() and tokens.max() < 2048
+    too_long = [corpus, str(tmp_path / "long.npy"), "--rows", "4", "--seq-len", "100000"]
+    assert script.main([*too_long, "--tokenizer", tokenizer]) == 2
+    assert "holds 2 window(s) of 100,000 tokens, fewer than --rows 4" in capsys.readouterr().err
 
 
 def test_changed_data_is_described(tmp_path: Path) -> None:

@@ -94,11 +94,15 @@ def death_message(
         names = ", ".join(
             f"rank {p.rank} (pid {p.pid}{f', {how}' if how else ''})" for p, how in gone
         )
-        what = (
-            f"{names} died {when}. Likely cause: the kernel's OOM killer (host memory ran out; "
-            "`dmesg | grep -i oom` shows it) or a kill -9: a rank that fails by itself prints its "
-            "own error first, and torchrun's summary below names the signal"
-        )
+        if all(how.startswith("exited") for _, how in gone):
+            cause = "it failed: its own error is printed above"
+        else:
+            cause = (
+                "the kernel's OOM killer (host memory ran out; the kernel log, dmesg, says so) "
+                "or a kill -9: a rank that fails by itself prints its own error first, and "
+                "torchrun's summary below names the signal"
+            )
+        what = f"{names} died {when}. Likely cause: {cause}"
     else:
         cause = f" ({str(error).splitlines()[0][:160]})" if error is not None else ""
         what = (
