@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from upipe_dtensor import convert, evaluate, plan
+from upipe_dtensor.checkpointing.model_record import check_model_unchanged, model_record
 from upipe_dtensor.checkpointing.weights import save_dcp_weights, unloaded_hf_weights
-from upipe_dtensor.config import parse_args
+from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.data.checks import data_changes, data_fingerprint, scan_local_data
 from upipe_dtensor.data.loader import (
     HubDocuments,
@@ -34,7 +35,7 @@ from upipe_dtensor.data.loader import (
 from upipe_dtensor.jobs.evaluate import read_tokens
 from upipe_dtensor.jobs.trainer import _described
 from upipe_dtensor.models import Llama3
-from upipe_dtensor.models.hf_config import args_from_hf
+from upipe_dtensor.models.hf_config import args_from_hf, model_args
 from upipe_dtensor.planning.checkpoint_interval import suggested_interval
 
 pytestmark = pytest.mark.unit
@@ -239,6 +240,26 @@ def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
     assert unloaded_hf_weights(parse_args(["--config", DEBUG])) == ""
 
 
+def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(tmp_path: Path) -> None:
+    """A snapshot's manifest records its model; resume, convert and evaluate compare it (their
+    refusals through the real commands: tests/test_evaluate.py)."""
+    config = parse_args(["--config", DEBUG])
+    args = model_args(config.model, 512)
+    old, new = tmp_path / "step-1", tmp_path / "step-2"
+    for snapshot in (old, new):
+        snapshot.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"format": 1, "files": {}}))  # no record
+    check_model_unchanged(old, config, args, rank0=True)
+    heads = {**model_record(config, args), "num_attention_heads": 2, "head_dim": 128}
+    (new / "manifest.json").write_text(json.dumps({"format": 1, "model": heads, "files": {}}))
+    with pytest.raises(ConfigError) as refused:  # same tensor shapes, another head layout
+        check_model_unchanged(new, config, args, rank0=True)
+    assert (
+        "was trained with other model settings: num_attention_heads = 2 there, 8 in this job; "
+        "head_dim = 128 there, 32 in this job. Pass the job config" in str(refused.value)
+    )
+
+
 def test_the_token_file_recipe_makes_what_evaluate_reads(tmp_path: Path, capsys) -> None:
     spec = importlib.util.spec_from_file_location("tokens", REPO / "scripts/make_eval_tokens.py")
     script = importlib.util.module_from_spec(spec)
@@ -440,6 +461,7 @@ def test_planner_says_which_memory_does_not_fit_and_keeps_old_sweeps(
     report = json.loads(capsys.readouterr().out)
     assert (report["fits"], report["fits_device"], report["fits_host"]) == (False, True, False)
     assert report["checkpoint_interval"] == suggested_interval(report["step_time_s"])
+    assert report["host_holds"] == "activation offload, FSDP CPU offload"  # only when it is on
     assert report["exceeds"] == "host memory"
     (tmp_path / "sweep.csv").write_text("an earlier sweep")
     assert plan.main(["--config", DEBUG, "--sweep", "seq_len", "--out", str(tmp_path)]) == 2

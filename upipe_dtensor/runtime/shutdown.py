@@ -4,7 +4,7 @@ ranks at once.
 
 Schedulers send SIGTERM before preemption and SIGKILL a fixed time later (torchrun 30 s,
 ``--shutdown_timeout`` / ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; Slurm ``KillWait`` 30 s; Kubernetes
-``terminationGracePeriodSeconds`` 30 s); Slurm's ``--signal=USR1@600`` warns ahead of a time limit.
+``terminationGracePeriodSeconds`` 30 s); Slurm's ``--signal=USR1@900`` warns ahead of a time limit.
 Optimizer state is consistent only between steps, so a snapshot can be taken only at a step
 boundary. The rank knows how long its last step took: when the rest of the running step would
 take longer than ``grace_seconds`` (a multi-minute step at 1M tokens, hours at 5M), waiting is
