@@ -7,8 +7,10 @@ Any ``--section.key value`` after the config overrides that key of the file.
 
 Exit codes: 0 trained to [training] steps (or already there); 1 a run-time failure explained in
 one line (damaged snapshots, no space, non-finite loss, dump folder in use); 2 a configuration
-error; 128 + N stopped by signal N (SIGTERM, SIGUSR1, Ctrl-C: 130) after saving a snapshot (a
-second Ctrl-C stops at once, keeping the last snapshot).
+error; 128 + N stopped by signal N (SIGTERM, SIGUSR1, Ctrl-C: 130), after saving a snapshot at
+the step's end, or at once, keeping the last snapshot, on a second Ctrl-C or when the step would
+outlast [job] stop_grace_seconds. torchrun itself exits 1 whenever a rank fails or a signal stops
+it: the shell sees these codes from a job run without torchrun (docs/troubleshooting.md).
 """
 
 from __future__ import annotations

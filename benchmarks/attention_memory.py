@@ -165,15 +165,16 @@ def _phase(events: list[Allocation], layer: tuple[int, int], op: tuple[int, int]
 
 
 def make_style(cfg: Config, variant: Variant):
+    """The row's ParallelStyle: its ``style`` picks the class, ``chunks`` the sequence chunks (a
+    "upipe" row with chunks is UPipe x FPDT, U query heads per stage over chunks)."""
+    chunk_tokens = cfg.seq_len // variant.chunks if variant.chunks else None
     if variant.style == "ring":
         return RingAttention()
     if variant.style == "fpdt":
-        return FPDTAttention(chunk_tokens=cfg.seq_len // variant.chunks)
-    if variant.chunks:  # UPipe x FPDT
-        return UPipeAttention(
-            heads_per_stage=variant.heads_per_stage, chunk_tokens=cfg.seq_len // variant.chunks
-        )
-    return UPipeAttention(heads_per_stage=variant.heads_per_stage)
+        return FPDTAttention(chunk_tokens=chunk_tokens)
+    if variant.style == "upipe":
+        return UPipeAttention(heads_per_stage=variant.heads_per_stage, chunk_tokens=chunk_tokens)
+    raise ValueError(f"unknown style {variant.style!r} in row {variant.name!r}")
 
 
 def measure(cfg: Config, variant: Variant, mesh: DeviceMesh, freqs_cis: torch.Tensor) -> Row:
@@ -260,22 +261,51 @@ def analytic_sizes(cfg: Config) -> dict[str, int]:
 
 def _table(title: str, columns: list[str], rows: list[tuple[str, list[float]]]) -> None:
     print(title)
-    header = f"{'config':<22}" + "".join(f"{c:>12}" for c in columns)
+    header = f"{'config':<30}" + "".join(f"{c:>12}" for c in columns)
     print(header)
     print("-" * len(header))
     for name, values in rows:
-        print(f"{name:<22}" + "".join(f"{v:>12.2f}" for v in values))
+        print(f"{name:<30}" + "".join(f"{v:>12.2f}" for v in values))
     print()
 
 
-def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -> None:
-    ulysses = next(
+def _ulysses(cfg: Config, rows: list[Row]) -> Row:
+    """The reference row: UPipe with every head in one stage."""
+    return next(
         r
         for r in rows
         if r.variant.style == "upipe"
         and not r.variant.chunks
         and r.variant.heads_per_stage == cfg.n_heads
     )
+
+
+def markdown_table(cfg: Config, rows: list[Row]) -> str:
+    """The table of docs/memory-stack.md (MiB, ratios against Ulysses): the README's and the
+    docs' numbers are this output, and tests/test_documented_numbers.py compares them."""
+    ulysses = _ulysses(cfg, rows)
+    lines = [
+        "| style | layer peak, fwd + bwd | fwd peak | kept after fwd | bwd peak "
+        "| bwd peak less gradients | host |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        reference = r is ulysses
+        peak = f"{r.peak / MiB:.1f}" + ("" if reference else f" ({r.peak / ulysses.peak:.2f}x)")
+        working = f"{r.backward.working / MiB:.1f}" + (
+            "" if reference else f" ({r.backward.working / ulysses.backward.working:.2f}x)"
+        )
+        host = f"{r.host_peak / MiB:.1f}" if r.host_peak else ""
+        lines.append(
+            f"| {r.variant.name} | {peak} | {r.forward.layer_peak / MiB:.1f} | "
+            f"{r.forward.layer_kept / MiB:.1f} | {r.backward.layer_peak / MiB:.1f} | {working} | "
+            f"{host} |"
+        )
+    return "\n".join(lines)
+
+
+def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -> None:
+    ulysses = _ulysses(cfg, rows)
     print(
         f"One attention layer, C={cfg.cp} gloo ranks, B={cfg.batch}, S={cfg.seq_len} "
         f"({cfg.seq_len // cfg.cp} per rank), H={cfg.n_heads}, H_kv={cfg.n_kv_heads}, "
@@ -328,7 +358,26 @@ def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -
             print(f"\n{row.variant.name} {phase}, live at the layer peak:")
             for label, nbytes in list(data.layer_live_at_peak.items())[:breakdown]:
                 print(f"  {nbytes / MiB:>8.2f} MiB  {label}")
+    print(f"\nAs in docs/memory-stack.md:\n{markdown_table(cfg, rows)}")
     print(f"\n({seconds:.0f} s)")
+
+
+def rows_from_json(report: dict) -> tuple[Config, list[Row]]:
+    """The config and rows of a ``--json`` report."""
+    config = dict(report["config"])
+    config["variants"] = tuple(Variant(**v) for v in config["variants"])
+    rows = [
+        Row(
+            Variant(**r["variant"]),
+            r["peak"],
+            Phase(**r["forward"]),
+            Phase(**r["backward"]),
+            r["host_peak"],
+            r["frees_put_back"],
+        )
+        for r in report["rows"]
+    ]
+    return Config(**config), rows
 
 
 def default_variants(
@@ -339,16 +388,16 @@ def default_variants(
     rows = []
     for u in sorted(set(stage_sizes) | {n_heads}):
         name = (
-            "Ulysses (U = H)"
+            f"Ulysses, U = H = {u}"
             if u == n_heads
-            else "UPipe (U = C)"
+            else f"UPipe, U = C = {u}"
             if u == cp
-            else f"UPipe (U = {u})"
+            else f"UPipe, U = {u}"
         )
         rows.append(Variant(name, "upipe", u))
-    rows.append(Variant("ring", "ring"))
+    rows.append(Variant("ring attention", "ring"))
     rows += [Variant(f"FPDT, {c} chunks", "fpdt", n_heads, c) for c in fpdt_chunks]
-    rows += [Variant(f"UPipe x FPDT, {c} ch.", "fpdt", cp, c) for c in fpdt_chunks]
+    rows += [Variant(f"UPipe x FPDT, U = C, {c} chunks", "upipe", cp, c) for c in fpdt_chunks]
     return tuple(rows)
 
 

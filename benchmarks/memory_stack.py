@@ -218,6 +218,23 @@ def reference_sizes(setup: Setup) -> dict[str, int]:
     }
 
 
+def markdown_table(rows: list[Row]) -> str:
+    """The table of docs/memory-stack.md (MiB): the docs' numbers are this output, and
+    tests/test_documented_numbers.py compares them."""
+    plain = rows[0]
+    lines = [
+        "| configuration | peak | vs plain | kept after forward | host offload |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        host = f"{row.host_offload / MiB:.1f}" if row.host_offload is not None else ""
+        lines.append(
+            f"| {row.name} | {row.peak / MiB:.1f} | {row.peak / plain.peak:.2f} | "
+            f"{row.forward_kept / MiB:.1f} | {host} |"
+        )
+    return "\n".join(lines)
+
+
 def print_report(setup: Setup, rows: list[Row], breakdown: int, seconds: float) -> None:
     plain = rows[0]
     print(
@@ -257,6 +274,7 @@ def print_report(setup: Setup, rows: list[Row], breakdown: int, seconds: float) 
             print(f"{row.name}:")
             for label, nbytes in list(row.live_at_peak.items())[:breakdown]:
                 print(f"  {nbytes / MiB:>8.2f} MiB  {label}")
+    print(f"\nAs in docs/memory-stack.md:\n{markdown_table(rows)}")
     print(f"\n({seconds:.0f} s)")
 
 

@@ -1,7 +1,7 @@
 """Every test belongs to exactly one group (``unit``, ``distributed`` or ``e2e``, set by each
 file's ``pytestmark``), so ``pytest -m unit`` is a subset nothing falls out of unnoticed. Tests
-marked ``slow`` (the full-size headline plans, minutes each) are skipped, and say so, unless
-``--slow`` is given."""
+marked ``slow`` (the full-size headline plans and benchmarks, minutes each) are skipped, and say
+so, unless ``--slow`` is given."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--slow",
         action="store_true",
-        help="also run the tests marked slow (full-size headline plans, minutes each)",
+        help="also run the tests marked slow (full-size plans and benchmarks, minutes each)",
     )
 
 
@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     run_slow = config.getoption("--slow")
     for item in items:
         if item.get_closest_marker("slow") and not run_slow:
-            item.add_marker(pytest.mark.skip(reason="slow (a full-size plan); run with --slow"))
+            item.add_marker(pytest.mark.skip(reason="slow (minutes); run with --slow"))
         marked = [group for group in GROUPS if item.get_closest_marker(group)]
         if len(marked) != 1:
             raise pytest.UsageError(

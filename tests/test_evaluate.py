@@ -20,6 +20,8 @@ pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 64
+OTHER_ROPE = ["--model.rope_scaling_factor", "1"]
+"""The debug model's RoPE is scaled by 8; a job that forgets that override sets factor 1."""
 
 
 def _write_job(tmp: Path) -> Path:
@@ -59,6 +61,18 @@ def _evaluate(job: Path, tokens: Path, *extra: str) -> dict:
     }
 
 
+def _convert(snapshot: Path, target: Path, job: Path) -> dict:
+    """convert --to hf of ``snapshot`` without the RoPE setting it was trained with."""
+    from upipe_dtensor import convert
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = convert.main(
+            ["--to", "hf", str(snapshot), str(target), "--config", str(job), *OTHER_ROPE]
+        )
+    return {"code": code, "stderr": stderr.getvalue(), "wrote": target.exists()}
+
+
 def _damage(snapshot: Path, *, truncate: bool) -> None:
     """Flip one byte in the middle of the largest data file (same size: only the CRC can tell),
     or cut it short."""
@@ -72,19 +86,29 @@ def _damage(snapshot: Path, *, truncate: bool) -> None:
 
 
 def _train_then_evaluate(rank: int, world: int, tmp: str, out: str) -> None:
-    from upipe_dtensor.config import parse_args
+    from upipe_dtensor.config import ConfigError, parse_args
     from upipe_dtensor.jobs.trainer import Trainer
 
     tmp_path = Path(tmp)
     job = _write_job(tmp_path)
     Trainer(parse_args(["--config", str(job)])).train()  # snapshots step-2 and step-4
+    runs: dict = {}
+    try:  # a resume without the RoPE setting it trained with (--model.rope_scaling_factor 8)
+        Trainer(parse_args(["--config", str(job), "--training.steps=6", *OTHER_ROPE]))
+    except ConfigError as err:
+        runs["resume, other RoPE"] = str(err)
     dist.destroy_process_group()  # evaluate starts its own, as a new launch would
     checkpoints = tmp_path / "out" / "checkpoint"
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 2048, (2, SEQ_LEN)))
+    runs["convert, other RoPE"] = _convert(checkpoints / "step-4", tmp_path / "hf", job)
 
-    runs = {
-        "newest": _evaluate(job, tokens),
+    runs["evaluate, other RoPE"] = _evaluate(job, tokens, *OTHER_ROPE)
+    runs["evaluate, other RoPE accepted"] = _evaluate(
+        job, tokens, *OTHER_ROPE, "--checkpoint.accept_model_change", "true"
+    )
+    runs |= {
+        "newest": _evaluate(job, tokens, "--overwrite"),
         "step2": _evaluate(job, tokens, "--checkpoint.load_step", "2"),
         "step2 again": _evaluate(job, tokens, "--checkpoint.load_step", "2"),
     }
@@ -106,6 +130,29 @@ def test_evaluate_verifies_snapshots_and_falls_back_like_the_trainer(tmp_path: P
     run_on_ranks(1, _train_then_evaluate, str(tmp_path), str(tmp_path / "runs.json"))
     runs = json.loads((tmp_path / "runs.json").read_text())
     checkpoints = tmp_path / "out" / "checkpoint"
+
+    # The snapshots record the model's settings: resume, convert and evaluate compare them.
+    step4, changed = checkpoints / "step-4", "rope_scaling.factor = 8.0 there, 1.0 in this job"
+    assert runs["resume, other RoPE"] == (
+        f"command line: snapshot {step4} was trained with other model settings: {changed}. Pass "
+        "the job config (and --model.* overrides) it was trained with, or set [checkpoint] "
+        "accept_model_change = true to change them on purpose (e.g. a larger rope_theta to "
+        "extend the context)"
+    )
+    convert = runs["convert, other RoPE"]
+    assert convert["code"] == 2 and not convert["wrote"], convert["stderr"]
+    assert f"{step4} was trained with other model settings: {changed}." in convert["stderr"]
+    refused, accepted = runs["evaluate, other RoPE"], runs["evaluate, other RoPE accepted"]
+    assert (
+        refused["code"] == 2
+        and f"config error: command line: snapshot {step4}" in (refused["stderr"])
+    )
+    assert changed in refused["stderr"] and "Traceback" not in refused["stderr"]
+    assert accepted["code"] == 0, accepted["stderr"]
+    assert (
+        f"WARNING: snapshot {step4} was trained with other model settings: {changed}; "
+        in (accepted["stderr"])
+    )
 
     newest, step2 = runs["newest"], runs["step2"]
     assert (

@@ -1,10 +1,14 @@
-"""Ctrl-C and data that changes between save and resume, through train.py as a user runs it.
+"""Ctrl-C, a killed rank and data that changes between save and resume, through train.py as a
+user runs it, under torchrun on 2 ranks.
 
-Ctrl-C is a SIGINT to the whole process group, as a terminal sends it: torchrun and every rank
-get it, and torchrun forwards it to the ranks once more. The first press must still finish the
-step, save and say how to resume; a second one must stop at once and leave the last good snapshot
-as it was. A resume on data that changed since the snapshot is refused, naming the change,
-unless ``[checkpoint] accept_data_change`` says to go on.
+Ctrl-C is a SIGINT to the launcher's process group, as a terminal sends it: torchrun gets it (its
+ranks run in sessions of their own) and passes the first press on as SIGINT, the second as
+SIGTERM. The first press must still finish the step, save and say how to resume, unless the rest
+of the step would outlast the grace period: then it stops at once, naming the snapshot that
+stands; a second press must stop at once and leave the last good snapshot as it was. A rank killed
+with SIGKILL is named by the others. A resume on data that changed since the snapshot is refused,
+naming the change, unless ``[checkpoint] accept_data_change`` says to go on. Long steps are
+simulated (``slow_train.py``): a step sleeps before it runs.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def _job(dump: Path, corpus: Path, *extra: str) -> list[str]:
     ]
 
 
-def _start(command: list[str]) -> subprocess.Popen:
+def _start(command: list[str], **env: str) -> subprocess.Popen:
     """A launch in its own session, so that a SIGINT to its group is what Ctrl-C sends."""
     return subprocess.Popen(
         command,
@@ -64,7 +68,7 @@ def _start(command: list[str]) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
 
 
@@ -151,30 +155,27 @@ def test_ctrl_c_saves_and_a_resume_on_changed_data_is_refused(tmp_path: Path) ->
     assert _trained_steps(accepted.stdout) == list(range(step + 1, STEPS + 1))
 
 
-def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_snapshot(tmp_path: Path) -> None:
-    """One process, long steps (4096 tokens): the second press comes while step 2 runs."""
+def _slow_job(dump: Path, step_seconds: float, *extra: str) -> subprocess.Popen:
+    """The debug job under torchrun on 2 ranks, each step made ``step_seconds`` long
+    (``slow_train.py``), a snapshot after every step."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    job = _job(dump, REPO / "assets/corpus", "--checkpoint.interval", "1", *extra)
+    job[0] = str(REPO / "tests/slow_train.py")
+    return _start([*command, *job], SLOW_STEP_SECONDS=str(step_seconds))
+
+
+def test_ctrl_c_during_a_step_longer_than_the_grace_stops_at_once_and_twice_stops_now(
+    tmp_path: Path,
+) -> None:
+    """Under torchrun, as in a terminal. One press while a step runs whose rest outlasts the grace
+    period: no waiting, the standing snapshot named. Then a rerun resumes from it, and two presses
+    in its first step (whose length the job cannot know yet, so it waits): torchrun passes the
+    second on as SIGTERM, and the ranks stop at once."""
     dump = tmp_path / "job"
-    job = _start(
-        [
-            sys.executable,
-            *_job(
-                dump,
-                REPO / "assets/corpus",
-                "--parallelism.context_parallel_degree",
-                "1",
-                "--training.seq_len",
-                "4096",
-                "--training.local_batch_size",
-                "1",
-                "--checkpoint.interval",
-                "1",
-            ),
-        ]
-    )
+    snapshot = dump / "checkpoint" / "step-2"
+    job = _slow_job(dump, 4.0, "--job.stop_grace_seconds", "1")
     try:
-        _wait_for(job, "saved step-1")
-        _press_ctrl_c(job)
-        time.sleep(1.5)  # longer than one press lasts (SAME_PRESS_SECONDS)
+        _wait_for(job, "saved step-2")
         pressed = time.monotonic()
         _press_ctrl_c(job)
         out, err = job.communicate(timeout=60)
@@ -182,13 +183,71 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_snapshot(tmp_path: Pat
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    snapshot = dump / "checkpoint" / "step-1"
-    assert job.returncode == 128 + signal.SIGINT, err
+    assert "rank 0: SIGINT received " in err, err  # in step 3, or just before it begins
     assert (
-        f"rank 0: Ctrl-C again: stopped at once, without a new snapshot (the last good snapshot "
-        f"is {snapshot}); run the same command to resume" in err
-    )
-    assert _trained_steps(out) == [], out  # step 2 never finished
-    assert sorted(p.name for p in snapshot.parent.iterdir()) == ["step-1"]
+        "more than [job] stop_grace_seconds = 1 s: stopped at once, without a new snapshot (the "
+        f"last good snapshot is {snapshot}; " in err
+    ), err
+    assert "rank 1: SIGINT" not in err  # one line per node
+    assert took < 15, f"one Ctrl-C during a long step took {took:.1f} s to stop"
+    assert sorted(p.name for p in snapshot.parent.iterdir()) == ["step-1", "step-2"]
     assert _intact(snapshot)
-    assert took < 10, f"the second Ctrl-C took {took:.1f} s"
+
+    job = _slow_job(dump, 30.0, "--job.stop_grace_seconds", "60")
+    try:
+        _wait_for(job, "training debugmodel")  # step 3 begins: 30 s long, of unknown length
+        _press_ctrl_c(job)
+        time.sleep(1.5)
+        pressed = time.monotonic()
+        _press_ctrl_c(job)
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - pressed
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert "SIGINT received: finishing this step, then saving a snapshot" in err
+    assert (
+        "rank 0: Ctrl-C again (torchrun passes a second Ctrl-C on as SIGTERM): stopped at once, "
+        f"without a new snapshot (the last good snapshot is {snapshot}; step 3 will be trained "
+        "again); run the same command to resume" in err
+    ), err
+    assert took < 15, f"the second Ctrl-C took {took:.1f} s (the step: 30 s, the grace: 60 s)"
+    assert job.returncode == 1  # torchrun's own code after a signal, whatever the ranks return
+    assert sorted(p.name for p in snapshot.parent.iterdir()) == ["step-1", "step-2"]
+
+
+def test_a_killed_rank_is_named_with_the_snapshot_that_stands(tmp_path: Path) -> None:
+    """kill -9 of one rank (what the OOM killer does): the other names it, in one line."""
+    dump = tmp_path / "job"
+    job = _slow_job(dump, 3.0)
+    try:
+        _wait_for(job, "saved step-1")
+        ranks = _children(job.pid)
+        lock_holder = json.loads((dump / "job.lock").read_text())["pid"]  # rank 0
+        (rank_1,) = [pid for pid in ranks if pid != lock_holder]
+        os.kill(rank_1, signal.SIGKILL)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    snapshot = dump / "checkpoint" / "step-1"
+    line = next((x for x in err.splitlines() if x.startswith("rank 0: rank 1 ")), "")
+    assert line.startswith(f"rank 0: rank 1 (pid {rank_1}"), err
+    assert " died " in line and "OOM killer" in line, line
+    assert f"The last good snapshot is {snapshot}; " in line, line
+    assert line.endswith("; run the same command to resume"), line
+    assert "[rank0]: Traceback" not in err and "Connection reset" not in line  # no gloo trace
+    assert _intact(snapshot)
+
+
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (torchrun's ranks)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == parent:
+            found.append(int(stat.parent.name))
+    return found

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import shutil
 import socket
 import time
@@ -20,11 +22,21 @@ import torch
 import torch.distributed as dist
 
 from upipe_dtensor import convert, evaluate, plan
-from upipe_dtensor.checkpointing.weights import save_dcp_weights
+from upipe_dtensor.checkpointing.model_record import check_model_unchanged, model_record
+from upipe_dtensor.checkpointing.weights import save_dcp_weights, unloaded_hf_weights
+from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.data.checks import data_changes, data_fingerprint, scan_local_data
-from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, documents_digest
+from upipe_dtensor.data.loader import (
+    HubDocuments,
+    LocalDocuments,
+    build_tokenizer,
+    documents_digest,
+)
+from upipe_dtensor.jobs.evaluate import read_tokens
+from upipe_dtensor.jobs.trainer import _described
 from upipe_dtensor.models import Llama3
-from upipe_dtensor.models.hf_config import args_from_hf
+from upipe_dtensor.models.hf_config import args_from_hf, model_args
+from upipe_dtensor.planning.checkpoint_interval import suggested_interval
 
 pytestmark = pytest.mark.unit
 
@@ -83,9 +95,35 @@ def test_help_of_every_entry_point_shows_the_config_and_override_syntax(capsys) 
         outputs[name] = capsys.readouterr().out
     for name, text in outputs.items():
         assert "--config" in text and "--section.key value" in text, name
-        assert "--training." in text, name  # an example of an override
+        assert re.search(r"--[a-z_]+\.[a-z_]+ ", text), name  # an example of an override
     for name in ("evaluate", "convert", "plan"):
         assert "--overwrite" in outputs[name], name
+    for name, text in outputs.items():
+        assert not _wrapped_examples(text), name
+
+
+def _wrapped_examples(text: str) -> list[str]:
+    """Example commands of a --help text that were wrapped without a backslash: a command (and
+    its backslash-continued lines) followed by a line at least as indented that is not another
+    command, a comment or blank."""
+    lines, wrapped = text.splitlines() + [""], []
+    for start, line in enumerate(lines):
+        if re.match(r"\s+(python|torchrun) ", line):
+            end = start
+            while lines[end].rstrip().endswith("\\"):
+                end += 1
+            after = lines[end + 1]
+            indent = len(line) - len(line.lstrip())
+            if after.strip() and len(after) - len(after.lstrip()) >= indent:
+                if not re.match(r"\s+(python|torchrun|#)", after):
+                    wrapped.append("\n".join(lines[start : end + 2]))
+    return wrapped
+
+
+def test_the_start_up_line_names_overrides_instead_of_a_contradicted_description() -> None:
+    assert _described(parse_args(["--config", DEBUG])) == ": 'debug model, UPipe cp=2'"
+    ring = parse_args(["--config", DEBUG, "--parallelism.cp_style", "ring", "--training.steps=9"])
+    assert _described(ring) == " with --parallelism.cp_style ring"
 
 
 # --- values that are not numbers ------------------------------------------------------------------
@@ -151,6 +189,94 @@ def test_bad_records_are_named_before_any_process_group_or_skipped(
     assert kept[12].startswith("document 13:")
 
 
+def test_unreadable_or_non_utf8_config_files_are_config_errors(
+    tmp_path: Path, capsys, monkeypatch, one_rank
+) -> None:
+    utf16 = tmp_path / "windows.toml"
+    utf16.write_text(f'extends = "{DEBUG}"\n', encoding="utf-16")
+    assert _train_py().main(["--config", str(utf16)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"config error: config file {utf16} is UTF-16 text, but TOML is UTF-8: save it as " in err
+    )
+    assert "iconv -f UTF-16 -t UTF-8 windows.toml" in err and "Traceback" not in err
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(f'extends = "{DEBUG}"\n[job]\ndescription = "caf\xe9"\n'.encode("latin-1"))
+    assert _train_py().main(["--config", str(latin1)]) == 2
+    assert "is not UTF-8 text (byte " in capsys.readouterr().err
+
+    real_read = Path.read_bytes
+
+    def unreadable(path: Path) -> bytes:  # chmod 000 does not stop root, which runs CI here
+        if path.name == "locked.toml":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    locked = tmp_path / "locked.toml"
+    locked.write_text(f'extends = "{DEBUG}"\n')
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    assert _train_py().main(["--config", str(locked)]) == 2
+    assert (
+        f"config error: config file {locked} cannot be read (Permission denied); fix its "
+        "permissions or pass another --config" in capsys.readouterr().err
+    )
+    assert not dist.is_initialized()
+
+
+def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
+    tmp_path: Path, capsys, weights, one_rank
+) -> None:
+    hf = ["--model.flavor", "hf", "--model.hf_assets_path", str(weights["hf"])]
+    assert _train(tmp_path, *hf) == 2
+    assert (
+        f"command line: [model] hf_assets_path = '{weights['hf']}' holds Hugging Face weights (1 "
+        "*.safetensors file), but this job would start from seed 0 initial weights: set "
+        "[checkpoint] initial_load_in_hf = true to start from those weights, or "
+        "initial_load_in_hf = false to train from the seed on purpose" in capsys.readouterr().err
+    )
+    assert not dist.is_initialized()
+    config = parse_args(["--config", DEBUG, *hf, "--checkpoint.initial_load_in_hf", "false"])
+    assert unloaded_hf_weights(config) == ""  # the seed's weights, written down: no question
+    assert unloaded_hf_weights(parse_args(["--config", DEBUG])) == ""
+
+
+def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(tmp_path: Path) -> None:
+    """A snapshot's manifest records its model; resume, convert and evaluate compare it (their
+    refusals through the real commands: tests/test_evaluate.py)."""
+    config = parse_args(["--config", DEBUG])
+    args = model_args(config.model, 512)
+    old, new = tmp_path / "step-1", tmp_path / "step-2"
+    for snapshot in (old, new):
+        snapshot.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"format": 1, "files": {}}))  # no record
+    check_model_unchanged(old, config, args, rank0=True)
+    heads = {**model_record(config, args), "num_attention_heads": 2, "head_dim": 128}
+    (new / "manifest.json").write_text(json.dumps({"format": 1, "model": heads, "files": {}}))
+    with pytest.raises(ConfigError) as refused:  # same tensor shapes, another head layout
+        check_model_unchanged(new, config, args, rank0=True)
+    assert (
+        "was trained with other model settings: num_attention_heads = 2 there, 8 in this job; "
+        "head_dim = 128 there, 32 in this job. Pass the job config" in str(refused.value)
+    )
+
+
+def test_the_token_file_recipe_makes_what_evaluate_reads(tmp_path: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("tokens", REPO / "scripts/make_eval_tokens.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "eval.npy"
+    corpus = str(REPO / "assets/corpus")
+    tokenizer = str(REPO / "assets/tokenizer")
+    args = [corpus, str(out), "--rows", "3", "--seq-len", "256", "--tokenizer", tokenizer]
+    assert script.main(args) == 0
+    tokens = read_tokens(str(out))  # what evaluate --tokens accepts
+    assert tokens.shape == (3, 256) and tokens[0, 0] == build_tokenizer(tokenizer).bos_id
+    assert 0 <= tokens.min() and tokens.max() < 2048
+    too_long = [corpus, str(tmp_path / "long.npy"), "--rows", "4", "--seq-len", "100000"]
+    assert script.main([*too_long, "--tokenizer", tokenizer]) == 2
+    assert "holds 2 window(s) of 100,000 tokens, fewer than --rows 4" in capsys.readouterr().err
+
+
 def test_changed_data_is_described(tmp_path: Path) -> None:
     corpus = _corpus(tmp_path / "corpus")
     documents = LocalDocuments(str(corpus), "text", skip_bad=True)
@@ -162,10 +288,17 @@ def test_changed_data_is_described(tmp_path: Path) -> None:
     }
     now = data_fingerprint(documents.description, scan.files)
     assert data_changes(saved, now, 0, documents) == ""
+    for path in corpus.iterdir():  # copied without preserving times, or touched: not a change
+        os.utime(path, ns=(1, 1))
+    touched = data_fingerprint(documents.description, scan_local_data(str(corpus), "text").files)
+    assert data_changes(saved, touched, 0, documents) == ""
+    old_format = {**saved, "files": {name: [size, 0] for name, (size, _) in scan.files.items()}}
+    assert data_changes(old_format, touched, 0, documents) == ""  # [size, mtime] snapshots
     (corpus / "c.txt").write_text("appended later")
     grown = data_fingerprint(documents.description, scan_local_data(str(corpus), "text").files)
     assert data_changes(saved, grown, 0, LocalDocuments(str(corpus), "text", skip_bad=True)) == (
-        "1 file added (c.txt); the 20 documents read so far are unchanged"
+        "1 file added (c.txt); the 20 documents read so far are unchanged, so resuming would go "
+        "on from the same point, but through the data as it is now"
     )
     lines = (corpus / "a.jsonl").read_text().splitlines()
     (corpus / "a.jsonl").write_text("\n".join(lines[10:]) + "\n")  # ten documents removed
@@ -173,7 +306,10 @@ def test_changed_data_is_described(tmp_path: Path) -> None:
     shrunk = data_fingerprint(documents.description, fewer.files)
     changes = data_changes(saved, shrunk, 0, LocalDocuments(str(corpus), "text", skip_bad=True))
     assert changes.startswith("1 file added (c.txt); 1 file changed (a.jsonl); ")
-    assert changes.endswith("the 20 documents read before the snapshot differ")
+    assert changes.endswith(
+        "the 20 documents read before the snapshot differ, so the saved position now points "
+        "elsewhere: resuming would skip or repeat documents"
+    )
 
 
 def test_an_unreachable_hub_dataset_fails_in_seconds_naming_the_offline_switch(
@@ -324,6 +460,8 @@ def test_planner_says_which_memory_does_not_fit_and_keeps_old_sweeps(
     assert plan.main(["--config", DEBUG, "--json", *offload]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["fits"], report["fits_device"], report["fits_host"]) == (False, True, False)
+    assert report["checkpoint_interval"] == suggested_interval(report["step_time_s"])
+    assert report["host_holds"] == "activation offload, FSDP CPU offload"  # only when it is on
     assert report["exceeds"] == "host memory"
     (tmp_path / "sweep.csv").write_text("an earlier sweep")
     assert plan.main(["--config", DEBUG, "--sweep", "seq_len", "--out", str(tmp_path)]) == 2

@@ -184,9 +184,10 @@ class _Pickled(Stateful):
 
 
 class Checkpointer:
-    """Saves and loads the job's state; ``job`` (the parallel geometry) and ``data()`` (the
-    fingerprint of the data consumed, collective) are recorded in each manifest, so that a resume
-    with another data-parallel degree, or on changed data, can be refused up front."""
+    """Saves and loads the job's state; ``job`` (the parallel geometry), ``model`` (the model's
+    settings, ``model_record``) and ``data()`` (the fingerprint of the data consumed, collective)
+    are recorded in each manifest, so that a resume with another data-parallel degree, other model
+    settings or on changed data can be refused up front."""
 
     def __init__(
         self,
@@ -201,11 +202,13 @@ class Checkpointer:
         dp_rank: int,
         job: dict[str, Any],
         data: Callable[[], dict[str, Any]] | None = None,
+        model_settings: dict[str, Any] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.job = job
+        self.model_settings = model_settings
         self.data = data
         self.step = 0
         self.latest: Path | None = None
@@ -255,6 +258,8 @@ class Checkpointer:
         )  # a killed save's debris
         try:
             record = {"step": step, "job": self.job}
+            if self.model_settings is not None:
+                record["model"] = self.model_settings
             if self.data is not None:
                 record["data"] = self.data()
             dcp.save(self.states, checkpoint_id=str(partial))

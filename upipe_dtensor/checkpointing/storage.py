@@ -65,17 +65,21 @@ def space_report(
     free = free_bytes(folder)
     at_once = keep_latest_k + 1 if keep_latest_k else kept + saves_left
     needed = snapshot_bytes * max(1, min(saves_left, at_once - kept))
+    kept_at_once = (
+        f"keep_latest_k + 1 = {keep_latest_k + 1} snapshots at once"
+        if keep_latest_k
+        else f"keep_latest_k = 0 keeps every snapshot: {at_once} at the end"
+    )
     if free < snapshot_bytes:
         raise JobError(
             f"checkpoint folder {folder} has {human(free)} free but one snapshot takes about "
-            f"{human(snapshot_bytes)}; free space or point [job] dump_folder elsewhere (a job "
-            "needs "
-            f"room for keep_latest_k + 1 = {keep_latest_k + 1} snapshots)"
+            f"{human(snapshot_bytes)}; free space or point [job] dump_folder elsewhere (this job "
+            f"needs room for {kept_at_once})"
         )
     line = (
         f"checkpoint folder {folder}: {human(free)} free, a snapshot takes about "
         f"{human(snapshot_bytes)}, the remaining saves need {human(needed)} more "
-        f"(keep_latest_k + 1 = {keep_latest_k + 1} snapshots at once)"
+        f"({kept_at_once})"
     )
     return ("WARNING: " + line + "; a later save will run out of space") if free < needed else line
 

@@ -127,6 +127,27 @@ def initial_load_folder(config) -> str:
     return checkpoint.initial_load_path
 
 
+def unloaded_hf_weights(config) -> str:
+    """Why a job that would start from the seed's weights looks like a mistake ("" if not):
+    [model] hf_assets_path holds safetensors weights, but no initial_load_path is given and
+    initial_load_in_hf is not set either way. Training a pretrained model's folder from random
+    weights is never what it looks like, so the job asks for the choice to be written down."""
+    checkpoint, folder = config.checkpoint, config.model.hf_assets_path
+    if not folder or checkpoint.initial_load_path or checkpoint.initial_load_in_hf:
+        return ""
+    if "checkpoint.initial_load_in_hf" in config.sources or not Path(folder).is_dir():
+        return ""  # initial_load_in_hf = false written down: the seed's weights on purpose
+    weights = sorted(Path(folder).glob("*.safetensors"))
+    if not weights:
+        return ""
+    return (
+        f"[model] hf_assets_path = {folder!r} holds Hugging Face weights ({len(weights)} "
+        f"*.safetensors file{'s' * (len(weights) != 1)}), but this job would start from seed "
+        f"{config.training.seed} initial weights: set [checkpoint] initial_load_in_hf = true to "
+        "start from those weights, or initial_load_in_hf = false to train from the seed on purpose"
+    )
+
+
 def check_initial_load(config, args: Llama3Args) -> None:
     """ValueError naming the key and a fix when the initial weights cannot be loaded into
     ``args``."""

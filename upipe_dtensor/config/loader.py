@@ -154,6 +154,29 @@ MOVED_CONFIGS = {
 recipes/<key> -> train_configs/<value>, named in the error for an old path."""
 
 
+def _read_text(path: Path, shown: str) -> str:
+    """A job file's text: TOML is UTF-8, so another encoding (a UTF-16 file, as some Windows
+    editors save) or an unreadable file is a ``ConfigError`` naming the fix."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(
+            f"{shown} cannot be read ({err.strerror or err}); fix its permissions or pass another "
+            "--config"
+        ) from err
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            found, fix = "UTF-16 text", f"e.g. iconv -f UTF-16 -t UTF-8 {path.name} > new.toml"
+        else:
+            found = f"not UTF-8 text (byte {err.start:,} is {data[err.start]:#04x})"
+            fix = "in your editor"
+        raise ConfigError(
+            f"{shown} is {found}, but TOML is UTF-8: save it as UTF-8 ({fix})"
+        ) from err
+
+
 def _read_toml(
     path: Path, seen: tuple[Path, ...] = (), extended_by: str = ""
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str], list[str]]:
@@ -179,7 +202,7 @@ def _read_toml(
     if path in seen:
         raise ConfigError(f"{shown}: 'extends' cycle through {' -> '.join(map(_shown, seen))}")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(_read_text(path, f"{extended_by}config file {shown}"))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{shown}: invalid TOML: {err}") from err
     merged: dict[str, dict[str, Any]] = {}

@@ -310,6 +310,10 @@ class Checkpoint:
     """Resume although the training data changed since the snapshot (files added, removed or
     modified, or the documents already read differ): the loader continues at the saved document
     index of the data as it is now. Off: such a resume is refused, naming what changed."""
+    accept_model_change: bool = False
+    """Resume, convert or evaluate a snapshot although its recorded model settings (shape,
+    vocabulary, norm epsilon, RoPE) differ from this job's: on purpose, e.g. a larger rope_theta
+    to extend the context. Off: refused, naming each differing setting."""
 
 
 @dataclass

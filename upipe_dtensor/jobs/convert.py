@@ -1,8 +1,8 @@
 """Convert model weights between our checkpoints and Hugging Face folders.
 
     # a training snapshot (or model-only checkpoint) -> a Hugging Face folder transformers loads
-    python -m upipe_dtensor.convert --to hf outputs/job/checkpoint/step-1000 exported/ --config
-    job.toml
+    python -m upipe_dtensor.convert --to hf outputs/job/checkpoint/step-1000 exported/ \\
+        --config job.toml
     # a Hugging Face folder -> a model-only DCP checkpoint ([checkpoint] initial_load_path)
     python -m upipe_dtensor.convert --to dcp /models/Llama-3.1-8B llama31_8b_dcp/
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from upipe_dtensor.checkpointing.model_record import check_model_unchanged
 from upipe_dtensor.checkpointing.outputs import kept_note, refuse_nonempty
 from upipe_dtensor.checkpointing.weights import (
     check_safetensors,
@@ -68,6 +69,7 @@ def to_hf(
         raise ConfigError(
             f"{source} is not a DCP checkpoint (no .metadata); pass a step-N snapshot folder"
         )
+    check_model_unchanged(Path(source), config, args, rank0=True)
     model = _empty_model(args)
     load_dcp_weights(model, source)
     kept = save_hf_weights(

@@ -1,7 +1,7 @@
 """Long-context evaluation: next-token loss by position, under the job's context parallelism.
 
-    torchrun --nproc_per_node 8 -m upipe_dtensor.evaluate --config recipes/llama3_8b_extend_1M.toml
-    \\
+    torchrun --nproc_per_node 8 -m upipe_dtensor.evaluate \\
+        --config recipes/llama3_8b_extend_1M.toml \\
         --tokens eval_1M.npy --model.hf_assets_path /models/Llama-3.1-8B
     python -m upipe_dtensor.evaluate --config job.toml --tokens tokens.npy   # cp = 1, no launcher
 
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from upipe_dtensor.checkpointing.model_record import check_model_unchanged
 from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.checkpointing.snapshots import choose_snapshot, snapshot_candidates
 from upipe_dtensor.checkpointing.weights import initial_load_folder, load_dcp_weights
@@ -116,6 +117,9 @@ def load_job_model(config: JobConfig) -> tuple[ParallelModel, Path | None, str]:
         if candidates
         else None
     )
+    if snapshot is not None:
+        args = model_args(config.model, config.training.seq_len)
+        check_model_unchanged(snapshot, config, args, rank0=dist.get_rank() == 0)
     built = build_parallel_model(config, setup)
     return built, snapshot, load_eval_weights(built, snapshot)
 

@@ -21,6 +21,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from upipe_dtensor.checkpointing.job_lock import JobLock
 from upipe_dtensor.checkpointing.manifest import read_manifest
+from upipe_dtensor.checkpointing.model_record import check_model_unchanged, model_record
 from upipe_dtensor.checkpointing.outputs import refuse_nonempty
 from upipe_dtensor.checkpointing.snapshots import (
     Checkpointer,
@@ -33,7 +34,7 @@ from upipe_dtensor.checkpointing.storage import (
     snapshot_bytes_estimate,
     space_report,
 )
-from upipe_dtensor.checkpointing.weights import save_hf_weights
+from upipe_dtensor.checkpointing.weights import save_hf_weights, unloaded_hf_weights
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.data.checks import (
     BAD_RECORDS_FIX,
@@ -52,10 +53,12 @@ from upipe_dtensor.jobs.build import (
 )
 from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, describe_cp_style
 from upipe_dtensor.models import flops_per_token
+from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
 from upipe_dtensor.runtime.collectives import gather_dicts, on_every_rank, on_rank0
 from upipe_dtensor.runtime.errors import JobError, JobStopped
 from upipe_dtensor.runtime.metrics import MetricsLogger
+from upipe_dtensor.runtime.rank_deaths import is_communication_failure, rank_processes
 from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
 
 
@@ -128,8 +131,10 @@ class Trainer:
             if config.checkpoint.enable
             else None
         )
-        self.start_step = int(self.resume_from.name.split("-")[1]) if self.resume_from else 0
+        self.start_step = _snapshot_step(self.resume_from) if self.resume_from else 0
         if self.resume_from is not None:
+            args = model_args(config.model, training.seq_len)
+            check_model_unchanged(self.resume_from, config, args, rank0=dist.get_rank() == 0)
             on_every_rank(lambda: self._check_data_unchanged(self.resume_from))
 
         self.parallel = built = build_parallel_model(config, setup)
@@ -164,6 +169,7 @@ class Trainer:
                 dp_rank=setup.dp_rank,
                 job=job,
                 data=self._data_record,
+                model_settings=model_record(config, self.model.model_args),
             )
             self.checkpointer.snapshot_bytes = snapshot_bytes_estimate(self.model)
             report = on_rank0(
@@ -214,8 +220,7 @@ class Trainer:
         if not self.config.checkpoint.accept_data_change:
             raise ConfigError(
                 f"the training data changed since snapshot {snapshot} was saved: {changes}. "
-                "Resuming would continue at the saved position on other data, in another order: "
-                "restore the data, or set [checkpoint] accept_data_change = true to resume on the "
+                "Restore the data, or set [checkpoint] accept_data_change = true to resume on the "
                 "data as it is now, or set another [job] dump_folder to start over"
             )
         if dist.get_rank() == 0:
@@ -280,8 +285,9 @@ class Trainer:
         return folder
 
     def describe(self, weights: str) -> str:
-        """The start-up line: the job as it will actually run (the config's free-text description
-        comes last, quoted, since it may not match the command-line overrides)."""
+        """The start-up line: the job as it will actually run. The config's free-text description
+        comes last, quoted; when the command line overrides the model, the sequence length or the
+        parallelism, which such a description states, the overrides are named instead."""
         config = self.config
         style = describe_cp_style(config.parallelism, self.model.model_args.n_heads)
         setup = self.setup
@@ -291,7 +297,7 @@ class Trainer:
             f"{setup.attention_choice} attention kernels, cp "
             f"{setup.cp} x dp {setup.dp} = {ranks} on {self.device.type}, steps "
             f"{self.start_step + 1}..{config.training.steps}, from {weights} "
-            f"[{config.config_file or 'no config file'}: {config.job.description!r}]"
+            f"[{config.config_file or 'no config file'}{_described(config)}]"
         )
 
     def train(self) -> list[float]:
@@ -307,14 +313,19 @@ class Trainer:
             * training.gradient_accumulation_steps
             * (self.setup.world_size // self.setup.cp)
         )
-        stop = StopRequests(self.config.job.stop_grace_seconds, self._resume_hint())
+        stop = StopRequests(
+            self.config.job.stop_grace_seconds,
+            self._resume_hint(),
+            standing_step=self.start_step,
+            peers=rank_processes(),
+        )
         watch_launcher()
         try:
             start = 0
             if self.resume_from is not None:
                 start = self.checkpointer.load(self.resume_from)
                 self._follow_schedule()
-                stop.resume_hint = self._resume_hint()
+                stop.standing(self._resume_hint(), start)
                 weights = f"snapshot {self.resume_from}"
             else:
                 weights = load_initial_weights(self.parallel)
@@ -324,48 +335,57 @@ class Trainer:
                     print(describe_rank_groups(self.setup.meshes), flush=True)
             batches = iter(self.dataloader)
             losses = []
-            for step in range(start + 1, training.steps + 1):
-                began = time.perf_counter()
-                microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
-                lr = self.optimizer.param_groups[0][
-                    "lr"
-                ]  # this step's rate (the scheduler moves on)
-                loss, grad_norm = (t.item() for t in self.train_step(microbatches))
-                losses.append(loss)
-                self.metrics.log(
-                    step,
-                    loss=loss,
-                    grad_norm=grad_norm,
-                    lr=lr,
-                    tokens=tokens_per_step,
-                    seconds=time.perf_counter() - began,
-                    host_offload_bytes=self.host_offload.peak_host_bytes
-                    if self.host_offload
-                    else None,
-                )
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                    raise JobError(
-                        f"step {step}: loss {loss:.4g}, grad_norm {grad_norm:.4g}: not finite; "
-                        f"stopped without saving ({self._resume_hint()}). Lower [optimizer] lr or "
-                        "raise [lr_scheduler] warmup_steps, then run again"
-                    )
-                signum = stop.agreed(self.device)
-                if self.checkpointer is not None:
-                    self.checkpointer.maybe_save(step, last=step == training.steps or bool(signum))
-                    stop.resume_hint = self._resume_hint()
-                if step == training.steps and self.config.checkpoint.last_save_in_hf:
-                    self.export_hf(step)
-                if signum and step < training.steps:
-                    raise JobStopped(
-                        f"stopped by {signal.Signals(signum).name} after step {step} of "
-                        f"{training.steps} ({self._resume_hint()}); run the same command to resume",
-                        signum,
-                    )
+            try:
+                for step in range(start + 1, training.steps + 1):
+                    stop.step_begins(step)
+                    losses.append(self._run_step(step, batches, stop, tokens_per_step))
+            except RuntimeError as err:
+                if isinstance(err, JobError) or not is_communication_failure(err):
+                    raise
+                stop.failed_collective(err)  # a rank died: one line, and this rank exits
         finally:
             stop.close()
             self.metrics.close()
             self.close()
         return losses
+
+    def _run_step(self, step: int, batches, stop: StopRequests, tokens_per_step: int) -> float:
+        """One step with its log line, its boundary (the agreed stop signal, the snapshot, the
+        export) and its loss."""
+        training = self.config.training
+        began = time.perf_counter()
+        microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler moves on)
+        loss, grad_norm = (t.item() for t in self.train_step(microbatches))
+        self.metrics.log(
+            step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=tokens_per_step,
+            seconds=time.perf_counter() - began,
+            host_offload_bytes=self.host_offload.peak_host_bytes if self.host_offload else None,
+        )
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise JobError(
+                f"step {step}: loss {loss:.4g}, grad_norm {grad_norm:.4g}: not finite; "
+                f"stopped without saving ({self._resume_hint()}). Lower [optimizer] lr or "
+                "raise [lr_scheduler] warmup_steps, then run again"
+            )
+        signum = stop.agreed(self.device)
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save(step, last=step == training.steps or bool(signum))
+            if self.checkpointer.latest is not None:
+                stop.standing(self._resume_hint(), _snapshot_step(self.checkpointer.latest))
+        if step == training.steps and self.config.checkpoint.last_save_in_hf:
+            self.export_hf(step)
+        if signum and step < training.steps:
+            raise JobStopped(
+                f"stopped by {signal.Signals(signum).name} after step {step} of "
+                f"{training.steps} ({self._resume_hint()}); run the same command to resume",
+                signum,
+            )
+        return loss
 
     def _follow_schedule(self) -> None:
         """Set the learning rate from this job's schedule at the resumed step: the snapshot holds
@@ -384,6 +404,25 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def _described(config: JobConfig) -> str:
+    """The job file's description for the start-up line, or the command-line overrides that
+    make it untrue (a style, a model, a length)."""
+    overrides = [
+        f"--{key} {getattr(getattr(config, key.split('.')[0]), key.split('.')[1])}"
+        for key, where in config.sources.items()
+        if where == "command line"
+        and (key.startswith(("parallelism.", "model.")) or key == "training.seq_len")
+    ]
+    if overrides:
+        return f" with {' '.join(overrides)}"
+    return f": {config.job.description!r}"
+
+
+def _snapshot_step(snapshot: Path) -> int:
+    """The step a ``step-N`` snapshot folder holds."""
+    return int(snapshot.name.split("-")[1])
 
 
 def describe_rank_groups(meshes: ParallelMeshes) -> str:
@@ -443,7 +482,20 @@ def _check_before_process_group(config: JobConfig) -> DataScan | None:
             "the Hugging Face export after the last step goes there and replaces nothing it did "
             "not write: move it away, or set [checkpoint] last_save_in_hf = false",
         )
+    _check_initial_weights(config)
     return _check_data(config)
+
+
+def _check_initial_weights(config: JobConfig) -> None:
+    """A job that starts fresh from the seed's weights beside a folder of pretrained ones says
+    which it means (``weights.unloaded_hf_weights``); a job resuming from its snapshots loads
+    neither."""
+    folder = Path(config.job.dump_folder) / config.checkpoint.folder
+    if config.checkpoint.enable and snapshots(folder):
+        return
+    if why := unloaded_hf_weights(config):
+        keys = ("model.hf_assets_path", "model.flavor", "checkpoint.initial_load_in_hf")
+        raise ConfigError(f"{config.source_of(*keys)}: {why}")
 
 
 def _check_data(config: JobConfig) -> DataScan | None:

@@ -112,8 +112,9 @@ def args_from_hf(config: dict[str, Any], source: str) -> Llama3Args:
     )
 
 
-def _shape(args: Llama3Args) -> dict[str, Any]:
-    """The fields a checkpoint and a flavor must agree on, by their config.json names."""
+def shape_fields(args: Llama3Args) -> dict[str, Any]:
+    """The settings that change a model's numbers, by their config.json names: what a checkpoint
+    and a flavor must agree on, and what a snapshot records (``checkpointing.model_record``)."""
     scaling = args.rope_scaling_args
     if scaling.scaling_factor == 1:  # no scaling, whatever the other factors say
         scaling = NO_SCALING
@@ -184,7 +185,10 @@ def model_args(model_config, seq_len: int) -> Llama3Args:
 def _check_flavor(flavor: str, args: Llama3Args, hf_path: str, overrides: dict[str, Any]) -> None:
     """A named flavor must describe the checkpoint it loads (RoPE keys the job overrides aside)."""
     source = f"{hf_path}/config.json"
-    expected, found = _shape(args), _shape(args_from_hf(read_hf_config(hf_path), source))
+    expected, found = (
+        shape_fields(args),
+        shape_fields(args_from_hf(read_hf_config(hf_path), source)),
+    )
     for key, value in expected.items():
         if key.removeprefix("rope_scaling.") in overrides:
             continue
@@ -199,7 +203,7 @@ def _check_flavor(flavor: str, args: Llama3Args, hf_path: str, overrides: dict[s
 def hf_shape_mismatch(args: Llama3Args, config: dict[str, Any]) -> str:
     """The first weight-shape field (RoPE aside) on which ``args`` and a config.json differ, as
     'field = ours vs theirs', or "" when the checkpoint's weights fit ``args``."""
-    ours, theirs = _shape(args), _shape(args_from_hf(config, "config.json"))
+    ours, theirs = shape_fields(args), shape_fields(args_from_hf(config, "config.json"))
     for key, value in ours.items():
         if not key.startswith("rope_") and theirs[key] != value:
             return f"{key} = {value} (model) vs {theirs[key]} (checkpoint)"
@@ -223,7 +227,7 @@ def hf_config_for(args: Llama3Args, base: dict[str, Any] | None = None) -> dict[
             "tie_word_embeddings": False,
             **{
                 key: value
-                for key, value in _shape(args).items()
+                for key, value in shape_fields(args).items()
                 if not key.startswith("rope_scaling.")
             },
             "rope_scaling": None

@@ -4,11 +4,10 @@ on a laptop.
     python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml
     python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --gpu h200 --json
     python -m upipe_dtensor.plan --config recipes/llama3_8b_1M.toml --objective speed
-    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --sweep seq_len --styles
-    upipe,ulysses
-
-    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --max-context >
-    recipes/llama3_8b_max.toml
+    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --sweep seq_len \\
+        --styles upipe,ulysses
+    python -m upipe_dtensor.plan --config recipes/llama3_8b_5M.toml --max-context \\
+        > recipes/llama3_8b_max.toml
 
 Any ``--section.key value`` overrides the recipe as in train.py. ``--sweep seq_len`` finds, for
 each CP style, the longest context that fits both budgets (``length_search``) and writes
@@ -38,6 +37,7 @@ from typing import Any
 
 from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.config import CP_STYLES, OVERRIDES_HELP, JobConfig, parse_args
+from upipe_dtensor.planning.checkpoint_interval import interval_line, suggested_interval
 from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.hardware import GPU_PROFILES
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
@@ -422,4 +422,10 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
         _sweep(args, config, styles, budget)
         return
     plan = plan_job(config, budget, args.world_size)
-    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
+    if args.json:
+        interval = suggested_interval(plan.speed.step_time_s) if plan.speed else None
+        print(json.dumps({**plan.as_dict(), "checkpoint_interval": interval}, indent=2))
+        return
+    print(plan.render())
+    if plan.speed:
+        print(interval_line(plan.speed.step_time_s, config.checkpoint.interval))

@@ -132,6 +132,8 @@ class Plan:
     int64 positions, per micro-batch (the document ids live in host memory)."""
     speed: StepTime | None = None
     """The predicted step time on the plan's hardware profile (None: no profile given)."""
+    host_holds: str = "activation offload"
+    """What the host memory holds, in words (FSDP CPU offload only when it is on)."""
 
     @property
     def fits_device(self) -> bool:
@@ -195,8 +197,7 @@ class Plan:
         for label, nbytes in sorted(self.device_breakdown.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {label:<42s} {nbytes / GiB:8.2f} GiB")
         lines += [
-            f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB (activation offload,"
-            f" FSDP CPU offload)",
+            f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB ({self.host_holds})",
             f"  host per node        : {self.host_per_node_bytes / GiB:8.2f} GiB of "
             f"{budget.host_bytes_per_node / GiB:g} GiB ({budget.gpus_per_node} GPUs per node)",
             *(
@@ -391,6 +392,8 @@ def plan_job(
         budget=budget,
         document_metadata_bytes=document_metadata_bytes(config),
         speed=speed,
+        host_holds="activation offload"
+        + (", FSDP CPU offload" if config.training.enable_cpu_offload else ""),
     )
 
 

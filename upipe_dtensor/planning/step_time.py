@@ -99,7 +99,8 @@ class StepTime:
         lines = [
             f"  step time ({self.profile}, predicted): {_seconds(self.step_time_s)}, "
             f"{self.tokens_per_s_per_gpu:,.1f} tokens/s per GPU, MFU {self.mfu:.1%} "
-            f"(torchtitan's formula: {self.mfu_torchtitan:.1%})"
+            f"(causal attention counted at half its square; torchtitan's formula, which counts "
+            f"the whole square: {self.mfu_torchtitan:.1%})"
         ]
         for label, seconds in self.time_breakdown_s.items():
             share = seconds / self.step_time_s if self.step_time_s else 0.0

@@ -1,26 +1,34 @@
 """Stopping a job on purpose: SIGTERM/SIGUSR1/SIGINT (Ctrl-C) save at the next step boundary
-and exit; a second Ctrl-C, or a dead launcher, ends the ranks at once.
+and exit; a second Ctrl-C, a step too long to wait for, a dead rank or a dead launcher end the
+ranks at once.
 
 Schedulers send SIGTERM before preemption and SIGKILL a fixed time later (torchrun 30 s,
-``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; Slurm ``KillWait`` 30 s; Kubernetes
-``terminationGracePeriodSeconds`` 30 s); Slurm's ``--signal=USR1@600`` warns ahead of a time limit.
+``--shutdown_timeout`` / ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; Slurm ``KillWait`` 30 s; Kubernetes
+``terminationGracePeriodSeconds`` 30 s); Slurm's ``--signal=USR1@900`` warns ahead of a time limit.
 Optimizer state is consistent only between steps, so a snapshot can be taken only at a step
-boundary. If the boundary does not come within ``grace_seconds`` of the signal (a long step),
-waiting is pointless: the rank exits at once, without a snapshot, and the previous snapshot stays
-the resume point. (The grace period starts when Python runs the handler, between two Python
-operations of the step; a rank blocked in one long call, such as a GPU synchronisation, sees the
-signal when that call returns.) Ranks agree at each boundary (one small all-reduce), so a signal
-that reaches
-only some ranks still stops all of them at the same step.
+boundary. The rank knows how long its last step took: when the rest of the running step would
+take longer than ``grace_seconds`` (a multi-minute step at 1M tokens, hours at 5M), waiting is
+pointless, and the rank exits at once without a snapshot, naming the snapshot that stands and the
+steps that will be trained again. In the first step of a run there is no such estimate, so the
+rank waits ``grace_seconds`` for the boundary and then exits at once all the same. (A rank blocked
+in one long call, such as a GPU synchronisation, sees the signal when that call returns.) Ranks
+agree at each boundary (one small all-reduce), so a signal that reaches only some ranks still
+stops all of them at the same step.
 
-Ctrl-C in a terminal sends SIGINT to every process of the job, and torchrun forwards it to each
-rank once more, so one press reaches a rank two or three times within a moment: a SIGINT within
-``SAME_PRESS_SECONDS`` of the first stop signal is the same press. A later SIGINT is a second
-press: the rank exits at once, without a snapshot; the last good one is left as it is (a save
-in progress is a ``.partial`` folder, never loaded). Signals are seen by a listener thread as they
-arrive (``signal.set_wakeup_fd``), not when the main thread next runs Python, which can be
-minutes later in a long step: a second press counts from its own arrival, and it stops a rank
-that is stuck in a step.
+Ctrl-C: a terminal sends SIGINT to its foreground process group. A job started with ``python
+train.py`` gets each press itself; under torchrun the ranks run in sessions of their own, so only
+torchrun gets the presses: it passes the first on as SIGINT and the second as SIGTERM (its
+shutdown, ``elastic.agent.server.api``). So a second stop signal is a second press when it is a
+SIGTERM after a pending SIGINT, or a SIGINT more than ``SAME_PRESS_SECONDS`` after the first (a
+launcher that leaves the ranks in the terminal's group delivers one press twice within a
+moment). A second press exits at once, without a snapshot; the last good one is left as it is (a
+save in progress is a ``.partial`` folder, never loaded). Signals are seen by a listener thread
+as they arrive (``signal.set_wakeup_fd``), not when the main thread next runs Python, which can
+be minutes later in a long step.
+
+The exit code is 128 + the signal's number (130 for Ctrl-C). torchrun itself, stopped by a
+signal, exits 1 with its own traceback whatever its ranks returned: the shell sees 130 only from
+a job run without torchrun.
 """
 
 from __future__ import annotations
@@ -35,41 +43,93 @@ import time
 import torch
 import torch.distributed as dist
 
+from upipe_dtensor.runtime.rank_deaths import (
+    RankProcess,
+    death_message,
+    gone_ranks,
+    speaks_for_host,
+)
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SAME_PRESS_SECONDS = 1.0
-"""SIGINTs arriving within this long of the first stop signal are one Ctrl-C (the terminal's and
-torchrun's copies); a later one is a second press."""
+"""SIGINTs arriving within this long of the first stop signal are one Ctrl-C (a launcher that
+leaves the ranks in the terminal's process group forwards each press once more); a later one is a
+second press."""
 
 
-def _exit_now(message: str, code: int) -> None:
-    """Leave the process from any thread, even while the main thread waits in a collective."""
+def _exit_now(message: str, code: int, *, speak: bool = True) -> None:
+    """Leave the process from any thread, even while the main thread waits in a collective;
+    ``speak``: print ``message`` first (one rank per node says it)."""
     try:
-        print(message, file=sys.stderr, flush=True)
+        if speak:
+            print(message, file=sys.stderr, flush=True)
     finally:
         os._exit(code)
+
+
+def _first_local_rank() -> bool:
+    """Whether this is the first rank of its node: lines every rank would print alike are
+    printed once per node."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def _ignore(signum: int, frame) -> None:
     """The Python-level handler of a stop signal: the listener thread acts on it instead."""
 
 
+def steps_lost(standing_step: int, step: int) -> str:
+    """The steps a stop without a snapshot throws away: those after the standing snapshot, up to
+    and including ``step`` (the one running, or the last one finished)."""
+    if step <= standing_step:
+        return "no finished step is lost"
+    if step == standing_step + 1:
+        return f"step {step} will be trained again"
+    return f"steps {standing_step + 1}-{step} will be trained again"
+
+
 class StopRequests:
     """Stop signals for the life of the training loop: the first asks for a stop at the next step
-    boundary, a second SIGINT exits at once. Python delivers signals to the main thread only; a
-    loop run from another thread is not signalled."""
+    boundary (or ends the rank at once when the rest of the step would outlast the grace period),
+    a second Ctrl-C exits at once. Python delivers signals to the main thread only; a loop run
+    from another thread is not signalled.
 
-    def __init__(self, grace_seconds: float, resume_hint: str) -> None:
+    The training loop tells it where it is: ``step_begins(step)`` before each step, ``agreed()``
+    at its boundary, and ``standing(hint, step)`` after each save (the snapshot a stop without a
+    new one leaves as the resume point). ``peers`` (``rank_deaths.rank_processes()``) lets a
+    SIGTERM that torchrun sends because a rank died say so."""
+
+    def __init__(
+        self,
+        grace_seconds: float,
+        resume_hint: str,
+        *,
+        standing_step: int = 0,
+        peers: list[RankProcess] | None = None,
+    ) -> None:
         self.grace_seconds = grace_seconds
         self.resume_hint = resume_hint
-        """Names the snapshot an exit without a new one leaves as the resume point (updated after
-        saves)."""
+        """Names the snapshot an exit without a new one leaves as the resume point."""
+        self.standing_step = standing_step
+        """The step that snapshot holds (0: a rerun starts from the beginning)."""
+        self.peers = peers or []
         self.signum = 0
+        self.step = standing_step
+        """The step running, or the last one finished."""
+        self.last_step_seconds: float | None = None
+        self._step_began: float | None = None
         self._first_at = 0.0
         self._deadline: threading.Timer | None = None
         self._previous: dict[int, object] = {}
         self._writer: socket.socket | None = None
         if threading.current_thread() is threading.main_thread():
             self._listen()
+
+    def standing(self, resume_hint: str, step: int) -> None:
+        """The snapshot that now stands (after a save or a load) and its step."""
+        self.resume_hint, self.standing_step = resume_hint, step
+
+    def step_begins(self, step: int) -> None:
+        self.step, self._step_began = step, time.monotonic()
 
     def _listen(self) -> None:
         """Python handlers that do nothing but wake the listener thread through a socket (each
@@ -93,18 +153,71 @@ class StopRequests:
 
     def _handle(self, signum: int) -> None:
         now = time.monotonic()
+        if signum == signal.SIGTERM and self.peers:
+            self._exit_if_a_rank_died()
         if not self.signum:
             self.signum, self._first_at = signum, now
+            self._stop_now_if_the_step_is_too_long(now)
             self._deadline = threading.Timer(self.grace_seconds, self._expire)
             self._deadline.daemon = True
             self._deadline.start()
             self._announce(signum)
-        elif signum == signal.SIGINT and now - self._first_at >= SAME_PRESS_SECONDS:
+        elif self.signum == signal.SIGINT and (
+            signum == signal.SIGTERM
+            or (signum == signal.SIGINT and now - self._first_at >= SAME_PRESS_SECONDS)
+        ):
+            how = " (torchrun passes a second Ctrl-C on as SIGTERM)" * (signum == signal.SIGTERM)
             _exit_now(
-                f"rank {dist.get_rank()}: Ctrl-C again: stopped at once, without a new snapshot "
-                f"({self.resume_hint}); run the same command to resume",
-                128 + signum,
+                f"rank {dist.get_rank()}: Ctrl-C again{how}: stopped at once, without a new "
+                f"snapshot ({self.resume_hint}; {steps_lost(self.standing_step, self.step)}); run "
+                "the same command to resume",
+                128 + signal.SIGINT,
+                speak=_first_local_rank(),
             )
+
+    def _remaining_seconds(self, now: float) -> float | None:
+        """How long until the next step boundary, from the last step's time (None in a run's
+        first step). Between steps (a save) a whole step still comes before the boundary."""
+        if self.last_step_seconds is None:
+            return None
+        if self._step_began is None:
+            return self.last_step_seconds
+        return self.last_step_seconds - (now - self._step_began)
+
+    def _stop_now_if_the_step_is_too_long(self, now: float) -> None:
+        remaining = self._remaining_seconds(now)
+        if remaining is None or remaining <= self.grace_seconds:
+            return
+        name = signal.Signals(self.signum).name
+        into = (
+            f"{now - self._step_began:.0f} s into step {self.step}"
+            if self._step_began is not None
+            else f"after step {self.step}"
+        )
+        _exit_now(
+            f"rank {dist.get_rank()}: {name} received {into}; a step takes about "
+            f"{self.last_step_seconds:.0f} s here (the last one), so the next step boundary is "
+            f"{remaining:.0f} s away, more than [job] stop_grace_seconds = {self.grace_seconds:g} "
+            f"s: stopped at once, without a new snapshot ({self.resume_hint}; "
+            f"{steps_lost(self.standing_step, self.step)}); run the same command to resume",
+            128 + self.signum,
+            speak=_first_local_rank(),
+        )
+
+    def _exit_if_a_rank_died(self) -> None:
+        """torchrun stops the other ranks with SIGTERM when one dies: say which one died."""
+        gone = gone_ranks(self.peers)
+        if gone:
+            _exit_now(
+                death_message(gone, f"during step {self.step}", self._lost_hint(), None),
+                1,
+                speak=speaks_for_host(self.peers, [p for p, _ in gone]),
+            )
+
+    def _lost_hint(self) -> str:
+        return f"{self.resume_hint[:1].upper()}{self.resume_hint[1:]}; " + steps_lost(
+            self.standing_step, self.step
+        )
 
     def _announce(self, signum: int) -> None:
         if dist.get_rank() == 0:
@@ -121,18 +234,43 @@ class StopRequests:
         _exit_now(
             f"rank {dist.get_rank()}: {name} received, but the step did not end within "
             f"[job] stop_grace_seconds = {self.grace_seconds:g} s; exiting without a new snapshot "
-            f"({self.resume_hint})",
+            f"({self.resume_hint}; {steps_lost(self.standing_step, self.step)})",
             128 + self.signum,
+            speak=_first_local_rank(),
         )
 
     def agreed(self, device: torch.device) -> int:
-        """At a step boundary (collective): the signal any rank received, 0 if none."""
+        """At a step boundary (collective): the signal any rank received, 0 if none. Ends the
+        step's clock."""
+        if self._step_began is not None:
+            self.last_step_seconds = time.monotonic() - self._step_began
+            self._step_began = None
         flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         signum = int(flag.item())
         if signum and self._deadline is not None:
             self._deadline.cancel()  # the boundary came in time: save, do not race the timer
         return signum
+
+    def failed_collective(self, error: BaseException) -> None:
+        """A collective of the training loop raised ``error``: when a rank died (or a stop at once
+        ended the others first), end this rank with the line that says so; otherwise return, and
+        the caller re-raises."""
+        if self.signum:  # the other ranks stopped at once: this one does too
+            _exit_now(
+                f"rank {dist.get_rank()}: stopped at once after "
+                f"{signal.Signals(self.signum).name}, without a new snapshot ({self._lost_hint()})"
+                "; run the same command to resume",
+                128 + self.signum,
+                speak=False,
+            )
+        gone = gone_ranks(self.peers)
+        speak = speaks_for_host(self.peers, [p for p, _ in gone])
+        _exit_now(
+            death_message(gone, f"during step {self.step}", self._lost_hint(), error),
+            1,
+            speak=speak,
+        )
 
     def close(self) -> None:
         if self._deadline is not None:

@@ -1,0 +1,84 @@
+"""The model settings a snapshot was trained with: recorded in its manifest, compared with the
+job's own when a job resumes from it, converts it or evaluates it.
+
+Loading compares tensor shapes (``weights.check_shapes``), which catches a model of another size
+but not the settings that change the numbers and no shape: RoPE's base and scaling (what a
+context extension changes on purpose), the norm's epsilon, or a head layout whose weights have
+the same shapes (2 heads of 128 instead of 8 of 32). Forgetting the ``--model.rope_*`` overrides
+a job trained with would make an export or an evaluation silently wrong; here it is one line
+naming each differing setting. ``[checkpoint] accept_model_change`` lets a deliberate change
+through (say a larger ``rope_theta`` for a longer context), with a warning. Snapshots written
+before the record existed are not checked.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from upipe_dtensor.checkpointing.manifest import read_manifest
+from upipe_dtensor.config.schema import ConfigError, JobConfig
+from upipe_dtensor.models.hf_config import shape_fields
+from upipe_dtensor.models.llama3 import Llama3Args
+
+INFORMATIVE = ("flavor",)
+"""Recorded but not compared: a flavor and an ``hf`` config.json of the same shape are the same
+model."""
+
+
+_SET_BY = {
+    "rope_theta": "model.rope_theta",
+    "rope_scaling.factor": "model.rope_scaling_factor",
+    "rope_scaling.low_freq_factor": "model.rope_low_freq_factor",
+    "rope_scaling.high_freq_factor": "model.rope_high_freq_factor",
+    "rope_scaling.original_max_position_embeddings": "model.rope_original_max_position_embeddings",
+}
+"""The [model] key that sets a recorded RoPE setting (the others come with the flavor or
+hf_assets_path), so that a refusal blames where the value was written."""
+
+
+def model_record(config: JobConfig, args: Llama3Args) -> dict[str, Any]:
+    """What a snapshot records of the model: the family, the flavor, and every setting that
+    changes the numbers (config.json names: shape, vocabulary, norm epsilon, RoPE)."""
+    return {"name": config.model.name, "flavor": config.model.flavor, **shape_fields(args)}
+
+
+def model_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Each compared setting that differs: key -> (the snapshot's value, this job's)."""
+    return {
+        key: (saved[key], now[key])
+        for key in now
+        if key not in INFORMATIVE and key in saved and saved[key] != now[key]
+    }
+
+
+def check_model_unchanged(
+    snapshot: Path, config: JobConfig, args: Llama3Args, *, rank0: bool
+) -> None:
+    """ConfigError when ``snapshot`` was trained with other model settings than ``args`` (unless
+    [checkpoint] accept_model_change; then rank 0 warns). Not collective: reads the manifest."""
+    saved = (read_manifest(snapshot) or {}).get("model")
+    if saved is None:
+        return
+    changes = model_changes(saved, model_record(config, args))
+    if not changes:
+        return
+    listed = "; ".join(
+        f"{key} = {was!r} there, {now!r} in this job" for key, (was, now) in changes.items()
+    )
+    if not config.checkpoint.accept_model_change:
+        where = config.source_of(*{_SET_BY.get(key, "model.flavor") for key in changes})
+        raise ConfigError(
+            f"{where}: snapshot {snapshot} was trained with other model settings: {listed}. "
+            "Pass the job config (and --model.* overrides) it was trained with, or set "
+            "[checkpoint] accept_model_change = true to change them on purpose (e.g. a larger "
+            "rope_theta to extend the context)"
+        )
+    if rank0:
+        print(
+            f"WARNING: snapshot {snapshot} was trained with other model settings: {listed}; "
+            "using this job's ([checkpoint] accept_model_change = true)",
+            file=sys.stderr,
+            flush=True,
+        )
