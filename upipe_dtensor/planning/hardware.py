@@ -399,8 +399,8 @@ _HOPPER: dict[str, Range] = {
         16 / 132,
         32 / 132,
         "16 of 132 SMs: 'on DGX with 8 NICs ... it would use 16 SMs' (NVIDIA/nccl#689)",
-        "32 of 132 SMs: an intra-node all-to-all on 8 x H100 creates 32 channels, one CTA each "
-        "(NVIDIA/nccl#1685)",
+        "32 of 132 SMs: an intra-node all-to-all on 8 x H100 creates 32 channels "
+        "(NVIDIA/nccl#1685); NCCL runs one CTA per channel it uses",
         "fewer channels for small messages (NVIDIA/nccl#1216); NCCL kernels also take HBM "
         "bandwidth, not priced (NVIDIA/nccl#1433)",
         derived="channels over H100 SXM's 132 SMs (datasheet)",
