@@ -383,8 +383,9 @@ _HOPPER: dict[str, Range] = {
         "communication kernel will be delayed until the gemm is completed because there are not "
         "enough SM resources' (NVIDIA/nccl#1431); without CUDA_DEVICE_MAX_CONNECTIONS=1 a "
         "communication kernel 'will be pushed to the end' of a persistent kernel "
-        "(NVIDIA-NeMo/Speech#12875, NVIDIA/Megatron-LM#533), and FA3's forward is persistent: "
-        "its grid is num_sm = SMs - sm_margin (Dao-AILab/flash-attention hopper/flash_api.cpp, "
+        "(NVIDIA-NeMo/Speech#12875, NVIDIA/Megatron-LM#533), and FA3's forward is persistent "
+        "on SM90 (UsePersistentScheduler, hopper/flash_fwd_launch_template.h): its grid is "
+        "num_sm = SMs - sm_margin (Dao-AILab/flash-attention hopper/flash_api.cpp, "
         "tile_scheduler.hpp)",
         "1: every exchange posted before its attention kernel (parallel/staged_attention.py "
         "posts stage s+1's before stage s's attention) gets its SMs first and keeps them: NCCL "
