@@ -24,6 +24,11 @@ the all-to-all low (a published 15% drop applied), point-to-point (from the coll
 the host link low (one GPU's figure halved), NCCL's share of the SMs (channels over SMs) and the
 overlap share (the two outcomes of a race). Sources are named as owner/repo#issue (GitHub),
 arXiv ids, or datasheets; ``shared/research/speed-anchors.md`` collects the older ones.
+
+One disclosure: a high end for the attention rates was looked for because an audit of the
+previous model (``shared/research/reviews/step-time-model-audit.md``) found the FA3 paper's 16K
+figures too slow to produce the paper's million-token cells; the value found comes from the FA3
+paper and the H100 datasheet by the rule above, not from that table.
 """
 
 from __future__ import annotations
