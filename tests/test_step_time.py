@@ -5,6 +5,8 @@ rules on hand-made work."""
 
 from __future__ import annotations
 
+from dataclasses import fields as dataclass_fields
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,16 @@ from torchtitan.models.llama3.model.model import Transformer
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.planning.communication_volume import layer_traffic
-from upipe_dtensor.planning.hardware import H100_SXM, H200
+from upipe_dtensor.planning.hardware import (
+    ENDS,
+    GPU_PROFILES,
+    H100_SXM,
+    H200,
+    AttentionRates,
+    HardwareProfile,
+)
 from upipe_dtensor.planning.step import plan_job
-from upipe_dtensor.planning.step_time import StepShape, predict_step_time
+from upipe_dtensor.planning.step_time import StepShape, predict_step_time, speedup
 from upipe_dtensor.planning.step_work import StepWork, Traffic, attention_flops, visible_pairs
 
 pytestmark = pytest.mark.unit
@@ -133,6 +142,10 @@ def test_planner_json_has_the_speed_fields() -> None:
     tokens = 4 * 512 // 2
     assert report["tokens_per_s_per_gpu"] == pytest.approx(tokens / report["step_time_s"])
     assert 0 < report["mfu"] < report["speed"]["mfu_torchtitan"]
+    low, high = report["tokens_per_s_per_gpu_range"]
+    fast, slow = report["step_time_range_s"]
+    assert low < report["tokens_per_s_per_gpu"] < high
+    assert (low, high) == pytest.approx((tokens / slow, tokens / fast))
 
 
 def _shape(**changes) -> StepShape:
@@ -160,8 +173,29 @@ def _work(**changes) -> StepWork:
     return work
 
 
+UNIT = replace(
+    H100_SXM,
+    matmul_flops=792e12,
+    memory_bytes_per_s=3350e9,
+    attention={"fa3": AttentionRates(616e12, 648e12, 561e12, "test")},
+    all_to_all_bus_bytes_per_s=335e9,
+    collective_bus_bytes_per_s=370e9,
+    p2p_bytes_per_s=370e9,
+    inter_node_bytes_per_s=47e9,
+    collective_latency_s=11e-6,
+    host_link_bytes_per_s=26e9,
+    host_adamw_params_per_s=300e6,
+    op_overhead_s=0.0,
+    overlap_share=1.0,
+    nccl_sm_share=0.0,
+    ranges={},
+)
+"""Round rates, every overlapped exchange on its own SMs: the rules one at a time."""
+
+
 def test_overlap_rules() -> None:
     """Compute 3 s (1 s matmul, 2 s FA3 attention); each rule of step_time's docstring."""
+    H100_SXM = UNIT  # noqa: N806 (the rates these numbers are written for)
     base = predict_step_time(_work(), _shape(), H100_SXM)
     assert base.time_breakdown_s["compute"] == pytest.approx(3.0)
     assert base.compute_s["attention forward"] == pytest.approx(1.0)
@@ -213,7 +247,92 @@ def test_overlap_rules() -> None:
     assert brief.time_breakdown_s["exposed host transfers"] == pytest.approx(12e9 / 26e9 - 0.1)
     assert base.mfu == pytest.approx(1000 * 1e9 / (base.step_time_s * 989e12))
     # H200: the same compute, faster memory.
-    assert predict_step_time(_work(), _shape(), H200).step_time_s < base.step_time_s
+    h100 = predict_step_time(_work(), _shape(), GPU_PROFILES["h100-sxm"])
+    assert predict_step_time(_work(), _shape(), H200).step_time_s < h100.step_time_s
+    # The paper's save_on_cpu: both directions of the block inputs waited on the compute stream.
+    synchronous = predict_step_time(
+        _work(host_bytes=host), _shape(offload_on_compute_stream=True), H100_SXM
+    )
+    assert synchronous.time_breakdown_s["exposed host transfers"] == pytest.approx(2.0)
+
+
+def test_sm_contention_and_margin() -> None:
+    """Half the overlapped exchanges get SMs and cost the attention a quarter of their hidden
+    time; the other half wait whole. FA3's sm_margin would slow all attention by k / (1 - k)."""
+    profile = replace(UNIT, overlap_share=0.5, nccl_sm_share=0.25)
+    communication = {("all_to_all", False): Traffic(335e9, 10)}
+    staged = predict_step_time(
+        _work(communication=communication), _shape(overlapped_stages=4), profile
+    )
+    whole = 1.0 + 10 * 11e-6
+    overlapped = whole / 4  # 0.25 s per stage under 0.5 s of attention: the first stage shows
+    exposed = 0.5 * (overlapped + 0.25 * (whole - overlapped)) + 0.5 * whole
+    assert staged.time_breakdown_s["exposed head all-to-all"] == pytest.approx(exposed)
+    margin = overlapped + 2.0 * 0.25 / 0.75
+    assert staged.sm_margin_saves_s == pytest.approx(exposed - margin)
+    assert staged.sm_margin_saves_s < 0  # 2 s of attention slowed by a third: it does not pay
+    ring = {("p2p", False): Traffic(370e9 * 0.5, 4)}  # 0.5 s of sends under 2 s of attention
+    ringed = predict_step_time(_work(communication=ring), _shape(), profile)
+    assert ringed.time_breakdown_s["exposed ring p2p"] == pytest.approx(
+        0.5 * (0 + 0.25 * 0.5) + 0.5 * 0.5
+    )
+    fsdp = {("all_gather", False): Traffic(370e9 * 2, 2)}  # 2 s under 3 s of compute
+    gathered = predict_step_time(_work(communication=fsdp), _shape(), profile)
+    assert gathered.time_breakdown_s["exposed FSDP collectives"] == pytest.approx(1.0 + 0.25 * 2)
+
+
+def _fields(profile: HardwareProfile) -> list[str]:
+    """Every constant of a profile: its numbers and each kernel's three attention rates."""
+    numbers = [
+        f.name
+        for f in dataclass_fields(profile)
+        if f.type in ("float", "int") and isinstance(getattr(profile, f.name), float | int)
+    ]
+    rates = ("forward_causal", "forward_full", "backward")
+    return numbers + [
+        f"attention.{kernel}.{rate}" for kernel in profile.attention for rate in rates
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(GPU_PROFILES))
+def test_every_gpu_constant_has_a_cited_range(name: str) -> None:
+    """No constant of a GPU profile lacks a range with a source for each end and what cuts
+    against it; the profile's value is the range's central value, between the ends."""
+    profile = GPU_PROFILES[name]
+    constants = _fields(profile)
+    assert set(constants) == set(profile.ranges), "every constant, and only constants, ranged"
+    for key in constants:
+        span = profile.ranges[key]
+        assert span.low_source.strip() and span.high_source.strip() and span.against.strip(), key
+        assert 0 <= span.low <= span.high, key
+        assert span.kind in ("rate", "cost", "share", "definition"), key
+        assert (span.low == span.high) == (span.kind == "definition"), key
+        values = [_value(profile.at(end), key) for end in ENDS]
+        assert values[1] == pytest.approx(_value(profile, key)), key
+        assert min(values[0], values[2]) <= values[1] <= max(values[0], values[2]), key
+
+
+def _value(profile: HardwareProfile, key: str) -> float:
+    if key.startswith("attention."):
+        _, kernel, rate = key.split(".")
+        return getattr(profile.attention[kernel], rate)
+    return getattr(profile, key)
+
+
+def test_band_prices_the_ends_of_the_ranges() -> None:
+    """The band is the step priced at the slow and the fast end of every range; a ratio of two
+    steps is taken end by end."""
+    work, shape = _work(communication={("all_to_all", False): Traffic(335e9, 10)}), _shape()
+    timed = predict_step_time(work, shape, H100_SXM)
+    fast, slow = (predict_step_time(work, shape, H100_SXM.at(end)) for end in ("fast", "slow"))
+    assert timed.step_time_range_s == pytest.approx((fast.step_time_s, slow.step_time_s))
+    assert fast.step_time_s < timed.step_time_s < slow.step_time_s
+    doubled = predict_step_time(_work(matmul_flops=2 * 792e12), shape, H100_SXM)
+    central, low, high = speedup(timed, doubled)
+    assert low <= central <= high and central > 1
+    # A measured profile (no ranges) has a point for a band.
+    point = predict_step_time(work, shape, UNIT)
+    assert point.step_time_range_s == pytest.approx((point.step_time_s,) * 2)
 
 
 def test_kept_attention_skips_the_recompute_and_costs_its_memory() -> None:

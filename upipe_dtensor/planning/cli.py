@@ -48,6 +48,7 @@ from upipe_dtensor.planning.max_context import (
     recipe_toml,
 )
 from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
+from upipe_dtensor.planning.step_time import StepTime
 from upipe_dtensor.runtime.errors import run_main
 
 
@@ -123,6 +124,8 @@ def _write_sweep_csv(path: Path, results: dict[str, tuple[int, list[Plan]]]) -> 
                 "limited_by",
                 "step_time_s",
                 "tokens_per_s_per_gpu",
+                "tokens_per_s_per_gpu_low",
+                "tokens_per_s_per_gpu_high",
             ]
         )
         for style, (best, plans) in results.items():
@@ -139,6 +142,11 @@ def _write_sweep_csv(path: Path, results: dict[str, tuple[int, list[Plan]]]) -> 
                         limit_of(best, plans),
                         f"{plan.speed.step_time_s:.3f}" if plan.speed else "",
                         f"{plan.speed.tokens_per_s_per_gpu:.2f}" if plan.speed else "",
+                        *(
+                            [f"{end:.2f}" for end in plan.speed.tokens_per_s_per_gpu_range]
+                            if plan.speed
+                            else ["", ""]
+                        ),
                     ]
                 )
 
@@ -361,7 +369,8 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
     )
     summary = {style: best for style, (best, _) in results.items()}
     limits = {style: limit_of(best, plans) for style, (best, plans) in results.items()}
-    speeds = {style: _speed_at(best, plans) for style, (best, plans) in results.items()}
+    at_best = {style: _speed_at(best, plans) for style, (best, plans) in results.items()}
+    speeds = {style: speed and speed.tokens_per_s_per_gpu for style, speed in at_best.items()}
     if args.json:
         print(
             json.dumps(
@@ -369,6 +378,10 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
                     "max_seq_len": summary,
                     "limited_by": limits,
                     "tokens_per_s_per_gpu": speeds,
+                    "tokens_per_s_per_gpu_range": {
+                        style: speed and list(speed.tokens_per_s_per_gpu_range)
+                        for style, speed in at_best.items()
+                    },
                     "budget": dataclasses.asdict(budget),
                 }
             )
@@ -380,16 +393,16 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
     )
     for style, best in summary.items():
         binds = f", {limits[style]} binds" if limits[style] else ""
-        speed = f", {speeds[style]:,.1f} tokens/s per GPU" if speeds[style] else ""
+        speed = f", {at_best[style].tokens_text()}" if at_best[style] else ""
         print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M{binds}{speed})")
     print(f"wrote {out / SWEEP_FILES[0]} and {out / SWEEP_FILES[1]}")
 
 
-def _speed_at(seq_len: int, plans: list[Plan]) -> float | None:
-    """The predicted tokens/s per GPU of the plan at ``seq_len`` (the longest that fits)."""
+def _speed_at(seq_len: int, plans: list[Plan]) -> StepTime | None:
+    """The predicted speed of the plan at ``seq_len`` (the longest that fits)."""
     for plan in plans:
         if plan.seq_len == seq_len and plan.speed is not None:
-            return plan.speed.tokens_per_s_per_gpu
+            return plan.speed
     return None
 
 

@@ -49,7 +49,8 @@ The search has two phases:
 
 Since relaxing only ever adds memory, the length of phase 1 stays the longest that fits. A
 relaxed setting is kept only if the step-time model (``planning.step_time``, the plan's ``speed``)
-predicts it no slower: the order above is the expected one, the model decides.
+predicts it no slower, by its central value (not the band): the order above is the expected one,
+the model decides.
 
 ``--objective speed`` skips phase 1: at the recipe's own seq_len it starts from every setting at
 its saving end (which must fit) and relaxes the same way, giving the fastest settings that fit.
@@ -351,6 +352,9 @@ class MaxContext:
                     "fits": p.fits,
                     "exceeds": p.exceeds,
                     "tokens_per_s_per_gpu": p.speed.tokens_per_s_per_gpu if p.speed else None,
+                    "tokens_per_s_per_gpu_range": (
+                        list(p.speed.tokens_per_s_per_gpu_range) if p.speed else None
+                    ),
                 }
                 for s, p in self.plans
             ],
@@ -422,7 +426,7 @@ def find_max_context(
     def plan_at(settings: dict[str, Any], seq_len: int) -> Plan:
         plan = plan_job(configured(settings, seq_len), budget, world_size)
         history.append((dict(settings), plan))
-        speed = f", {plan.speed.tokens_per_s_per_gpu:,.1f} tokens/s per GPU" if plan.speed else ""
+        speed = f", {plan.speed.tokens_text()}" if plan.speed else ""
         log(
             f"  {seq_len:>12,} tokens, "
             f"{describe(settings, chosen, recipe_keep) or 'recipe settings'}: "
@@ -542,7 +546,8 @@ def find_max_context(
 
 
 def _no_slower(plan: Plan, than: Plan) -> bool:
-    """Whether ``plan`` is predicted at least as fast as ``than`` (True without predictions)."""
+    """Whether ``plan`` is predicted at least as fast as ``than`` by the central values (True
+    without predictions)."""
     if plan.speed is None or than.speed is None:
         return True
     return plan.speed.step_time_s <= than.speed.step_time_s
@@ -600,8 +605,8 @@ def recipe_toml(result: MaxContext, command: str) -> str:
         else "The longest context the planner finds"
     )
     speed = (
-        f" Predicted: {plan.speed.tokens_per_s_per_gpu:,.1f} tokens/s per GPU on "
-        f"{plan.speed.profile}."
+        f" Predicted: {plan.speed.tokens_text()} on {plan.speed.profile} (central value; the "
+        "band has every rate at the ends of its range)."
         if plan.speed
         else ""
     )

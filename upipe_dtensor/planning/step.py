@@ -181,6 +181,8 @@ class Plan:
             "exceeds": self.exceeds,
             "step_time_s": speed.step_time_s if speed else None,
             "tokens_per_s_per_gpu": speed.tokens_per_s_per_gpu if speed else None,
+            "tokens_per_s_per_gpu_range": list(speed.tokens_per_s_per_gpu_range) if speed else None,
+            "step_time_range_s": list(speed.step_time_range_s) if speed else None,
             "mfu": speed.mfu if speed else None,
             "time_breakdown_s": speed.time_breakdown_s if speed else None,
         }
