@@ -159,6 +159,25 @@ class Plan:
         return "fits" if self.fits else f"does not fit ({self.exceeds})"
 
     @property
+    def tracked_peak_bytes(self) -> int:
+        """The device peak of the step's tensors alone, without any CUDA allowance: what
+        ``torch.cuda.max_memory_allocated`` measures."""
+        return self.device_peak_bytes - self._rows_bytes((*FIXED_ALLOWANCES, FRAGMENTATION))
+
+    @property
+    def allocator_peak_bytes(self) -> int:
+        """The device peak as torch's caching allocator holds it (``torch.cuda
+        .max_memory_reserved``, the "memory" torchtitan's trainer logs): the step's tensors, the
+        cuBLAS workspaces (torch allocates them) and the fragmentation allowance, without the
+        CUDA context and NCCL's buffers, which live outside torch's allocator. Measured reserved
+        peaks compare with this; the GPU's budget with ``device_peak_bytes``."""
+        return self.device_peak_bytes - self._rows_bytes((CUDA_CONTEXT, NCCL_BUFFERS))
+
+    def _rows_bytes(self, labels: tuple[str, ...]) -> int:
+        """Bytes of the breakdown rows whose label starts with one of ``labels``."""
+        return sum(n for label, n in self.device_breakdown.items() if label.startswith(labels))
+
+    @property
     def device_fixed_bytes(self) -> int:
         """The part of the device peak that does not grow with the sequence: model states and
         CUDA's fixed allowances (a search that holds one plan extrapolates from the rest)."""
@@ -177,6 +196,8 @@ class Plan:
             "fits_device": self.fits_device,
             "fits_host": self.fits_host,
             "exceeds": self.exceeds,
+            "tracked_peak_bytes": self.tracked_peak_bytes,
+            "allocator_peak_bytes": self.allocator_peak_bytes,
             "step_time_s": speed.step_time_s if speed else None,
             "tokens_per_s_per_gpu": speed.tokens_per_s_per_gpu if speed else None,
             "mfu": speed.mfu if speed else None,
@@ -192,6 +213,11 @@ class Plan:
             f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
             f"{budget.device_bytes / GiB:g} GiB, at {self.device_peak_when}",
         ]
+        if self.allocator_peak_bytes != self.device_peak_bytes:
+            lines.append(
+                f"  torch allocator peak : {self.allocator_peak_bytes / GiB:8.2f} GiB (what "
+                "torch.cuda.max_memory_reserved reports: no CUDA context, no NCCL buffers)"
+            )
         for label, nbytes in sorted(self.device_breakdown.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {label:<42s} {nbytes / GiB:8.2f} GiB")
         lines += [
