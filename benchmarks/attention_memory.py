@@ -348,7 +348,7 @@ def default_variants(
         rows.append(Variant(name, "upipe", u))
     rows.append(Variant("ring", "ring"))
     rows += [Variant(f"FPDT, {c} chunks", "fpdt", n_heads, c) for c in fpdt_chunks]
-    rows += [Variant(f"UPipe x FPDT, {c} ch.", "fpdt", cp, c) for c in fpdt_chunks]
+    rows += [Variant(f"UPipe x FPDT, {c} ch.", "upipe", cp, c) for c in fpdt_chunks]
     return tuple(rows)
 
 
