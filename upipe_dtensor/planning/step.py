@@ -47,17 +47,26 @@ class CudaAllowances:
     deliberately generous allowance (no GPU has been available to measure them here):
 
     - ``context_bytes``: the CUDA context and the loaded kernel images of torch, NCCL and
-      flash-attn. It is not in torch's allocator; with CUDA 12's lazy module loading it is commonly
-      reported at 0.5-0.8 GiB on H100 (nvidia-smi minus torch.cuda.memory_reserved). 1 GiB.
+      flash-attn. It is not in torch's allocator; with lazy module loading PyTorch measured 287 MB
+      for torch's own (pytorch/pytorch#86509, nvidia-smi style: total minus free), and about
+      400 MB is commonly reported (#109888); NCCL's and flash-attn's kernels add on first use.
+      1 GiB.
     - ``nccl_bytes_per_communicator``: NCCL's buffers, per communicator this rank belongs to (the
       default group, the FSDP group and each CP axis; NCCL creates one per process group on first
-      use). NCCL's documented default is NCCL_BUFFSIZE = 4 MiB per channel and direction, with up
-      to 32 channels (2 x 4 MiB x 32 = 256 MiB), plus point-to-point and NVLink-SHARP buffers.
-      0.5 GiB each.
+      use), allocated by NCCL outside torch's allocator. NCCL's documented default is
+      NCCL_BUFFSIZE = 4 MiB per channel and peer; measured: 544-688 MB per group on 4 x A100
+      (NVIDIA/nccl#964), but an all-to-all on 8 x H100 grew NCCL's memory by 3.3 GB (32 channels
+      per peer pair, NVIDIA/nccl#1685), so the head axis' communicator may need several times
+      this. 0.5 GiB each, until ``gpu_check`` measures this code's.
     - ``cublas_workspace_bytes``: cuBLAS/cuBLASLt workspaces of the compute stream (torch's
-      default CUBLAS_WORKSPACE_CONFIG on Hopper is 32 MiB, once per library). 64 MiB.
+      default CUBLAS_WORKSPACE_CONFIG on Hopper is 32 MiB, once per library), taken from torch's
+      caching allocator (``CublasHandlePool.cpp``). 64 MiB.
     - ``fragmentation``: caching-allocator rounding (512-byte blocks, 2 MiB pages) and what
-      expandable segments cannot hand back, as a fraction of the tracked peak. 5%.
+      expandable segments cannot hand back, as a fraction of the tracked peak (no published
+      figure). 5%.
+
+    ``Plan.allocator_peak_bytes`` leaves out the two that torch's allocator does not hold (the
+    context and NCCL's buffers): that is the peak ``torch.cuda.max_memory_reserved`` reports.
 
     FlashAttention's backward workspace is not an allowance: the traced CUDA kernels allocate it
     in the fake step at the moment the CUDA kernel would
