@@ -18,7 +18,9 @@ the level at the start of each region. FPDT's host buffers (chunks parked by
 the frame that allocates them) and reported as what the store's pool grew by.
 
 Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=64, S=8192;
-about 4 minutes on 2 busy cores).
+about 4 minutes on 2 busy cores). ``--checkpoint`` runs the layer under activation checkpointing,
+as the long-context recipes do: backward recomputes the forward, whose saved output then holds
+the query gradients; without it backward takes a buffer of the output's size for them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from live_memory import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
@@ -89,6 +92,9 @@ class Config:
     head_dim: int
     dtype: str
     variants: tuple[Variant, ...]
+    checkpoint: bool = False
+    """Run the layer as the long-context recipes do, under activation checkpointing: backward
+    recomputes the forward (whose saved output then holds the query gradients)."""
 
 
 @dataclass
@@ -194,7 +200,10 @@ def measure(cfg: Config, variant: Variant, mesh: DeviceMesh, freqs_cis: torch.Te
     dist.barrier()
     with profiler() as prof, record_function(LAYER):
         with record_function(FORWARD):
-            out = attention(x, freqs_cis)
+            if cfg.checkpoint:
+                out = checkpoint(attention, x, freqs_cis, use_reentrant=False)
+            else:
+                out = attention(x, freqs_cis)
         with record_function(BACKWARD):
             out.backward(grad)
     survivors = [out, x.grad, *(p.grad for p in attention.parameters())]
@@ -309,7 +318,9 @@ def print_report(cfg: Config, rows: list[Row], breakdown: int, seconds: float) -
     print(
         f"One attention layer, C={cfg.cp} gloo ranks, B={cfg.batch}, S={cfg.seq_len} "
         f"({cfg.seq_len // cfg.cp} per rank), H={cfg.n_heads}, H_kv={cfg.n_kv_heads}, "
-        f"d={cfg.head_dim}, {cfg.dtype}.\nMiB of live CPU allocations above the level at the "
+        f"d={cfg.head_dim}, {cfg.dtype}"
+        f"{', under activation checkpointing' if cfg.checkpoint else ''}.\n"
+        "MiB of live CPU allocations above the level at the "
         f"start of each region, max over ranks.\n"
     )
     _table(
@@ -431,6 +442,11 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
         metavar="N",
         help="also print the N largest origins of live bytes at each layer peak",
     )
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="run the layer under activation checkpointing, as the long-context recipes do",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON instead")
     args = parser.parse_args()
     if args.seq_len % args.cp:
@@ -447,6 +463,7 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
         args.head_dim,
         args.dtype,
         variants,
+        args.checkpoint,
     )
     return cfg, args
 

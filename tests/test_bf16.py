@@ -1,6 +1,6 @@
 """bf16 numerics: every CP style in bfloat16 is no further from a float64 reference than the
 unsharded bfloat16 model (DESIGN.md: sums across stages, chunks and ring steps accumulate in
-float32).
+float32; a layer's dx is a few products, rounded no more often than the unsharded model's).
 
 Per case, one tiny Llama three ways on the same inputs: the float64 model (the truth), the same
 weights cast to bf16 unsharded (the baseline), and cast to bf16 under the case's CP style, its
@@ -53,6 +53,12 @@ CP = 4
 CASES = [
     dict(name="fpdt, 32 chunks", style="fpdt", n_heads=4, n_kv=2, chunks=32),
     dict(name="upipe, gqa, kv < C", style="upipe", n_heads=8, n_kv=2, u=4),
+    # Llama3-8B's stages at C = 8, scaled to C = 4: 4 stages share each rank's one KV head (dK,
+    # dV summed over them in float32; dx from three products in bf16).
+    dict(name="upipe, 4 stages per kv", style="upipe", n_heads=16, n_kv=4, u=4),
+    # 4 KV blocks: dx adds 9 products, more than the unsharded model's 5 roundings: float32.
+    dict(name="upipe, mha, 4 kv blocks", style="upipe", n_heads=16, n_kv=16, u=4),
+    dict(name="ulysses", style="ulysses", n_heads=8, n_kv=2),
     dict(name="ring", style="ring", n_heads=4, n_kv=2),
     dict(name="ring, documents", style="ring", n_heads=4, n_kv=2, docs=True),
     dict(name="upipe x fpdt, 16 chunks", style="fpdt", n_heads=8, n_kv=4, u=4, chunks=16),

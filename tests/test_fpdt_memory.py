@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.checkpoint import checkpoint
 
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.memory.host_store import HostMemory
@@ -53,7 +54,10 @@ def _transients(chunks: int, chunk_tokens: int) -> tuple[int, int, int]:
             backend="sdpa",
             store_name=host.name,
         )
-        out = fpdt_attention(x, *weights, rope, None, params)
+        # Checkpointed, as every long-context recipe runs it: backward recomputes the forward,
+        # whose saved output then holds the query gradients (``AttentionParams
+        # .output_is_scratch``).
+        out = checkpoint(fpdt_attention, x, *weights, rope, None, params, use_reentrant=False)
         # Alive through the loop: the pre-wo output buffer and the LSEs (saved for backward). The
         # layer output y comes after the loop; it must be below the loop's own peak.
         saved = seq_len * HEADS * HEAD_DIM * 4 + _lse_bytes(seq_len)
@@ -63,7 +67,8 @@ def _transients(chunks: int, chunk_tokens: int) -> tuple[int, int, int]:
         tracker.start_step()
         start = tracker.totals["cpu"]
         grads = torch.autograd.grad(out, [x, *weights], grad)
-        backward = tracker.peaks["cpu"].bytes - start - sum(g.nbytes for g in grads)
+        # The recomputed forward's saved output and LSEs are backward's now.
+        backward = tracker.peaks["cpu"].bytes - start - sum(g.nbytes for g in grads) - saved
     return forward, backward, tracker.peaks["meta"].bytes
 
 

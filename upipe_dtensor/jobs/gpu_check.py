@@ -240,14 +240,13 @@ def measure_step(config, plan: Plan) -> StepRow:
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
-    allowances = sum(v for k, v in plan.device_breakdown.items() if k.startswith("CUDA"))
     return StepRow(
         job=f"{config.model.flavor}, {seq_len:,} tokens, {plan.attention}"
         + (", FSDP CPU offload" if config.training.enable_cpu_offload else ""),
         tokens_per_s_per_gpu=seq_len / seconds / trainer.setup.cp,
         allocated_gib=(torch.cuda.max_memory_allocated() if cuda else 0) / GiB,
         reserved_gib=(torch.cuda.max_memory_reserved() if cuda else 0) / GiB,
-        planned_tracked_gib=(plan.device_peak_bytes - allowances) / GiB,
+        planned_tracked_gib=plan.tracked_peak_bytes / GiB,
         planned_total_gib=plan.device_peak_bytes / GiB,
     )
 

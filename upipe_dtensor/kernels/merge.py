@@ -7,9 +7,11 @@ step and FPDT one per earlier sequence chunk; both keep the running output and L
 the result equals one softmax over all keys up to float32 rounding. A query that sees no key of a
 block has lse = -inf there and gets weight 0 (never NaN).
 
-The same rule holds for every sum of partial results across stages, chunks and ring steps in the
-attention ops (dQ, dK, dV, dx, weight gradients): ``accumulator`` keeps it in at least float32
-and the caller casts once at the end, so a bf16 sum of n pieces rounds once, not n times.
+The same rule holds for the sums of partial results across ring steps, sequence chunks and a KV
+block's head stages in the attention ops (dQ, dK, dV, weight gradients): ``accumulator`` and
+``add_piece`` keep them in at least float32 and the caller casts once at the end, so a bf16 sum of
+n pieces rounds once, not n times. A layer's dx is not such a running sum: it is formed from a few
+products through wq, wk and wv once their gradients are final (``parallel.projections``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ def accumulator(like: Tensor, *, summed: bool = True) -> Tensor:
     piece is added (``summed``), else in ``like``'s dtype (nothing to round, no extra memory)."""
     dtype = accumulation_dtype(like.dtype) if summed else like.dtype
     return torch.zeros_like(like, dtype=dtype)
+
+
+def add_piece(total: Tensor | None, piece: Tensor, pieces: int) -> Tensor:
+    """``total + piece``, in place, for a sum of ``pieces`` pieces that ``total`` (None before the
+    first) accumulates. The first piece starts the sum: taken over as it is when it is the only
+    one or already in ``accumulation_dtype`` (a ring's float32 sum), so no zeros are added and
+    nothing is copied; else as a float32 copy. The caller owns every piece it passes."""
+    if total is not None:
+        return total.add_(piece)
+    dtype = accumulation_dtype(piece.dtype)
+    return piece if pieces == 1 or piece.dtype == dtype else piece.to(dtype)
 
 
 class PartialAttention:

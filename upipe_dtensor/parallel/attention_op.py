@@ -14,12 +14,24 @@ The op bodies receive the record itself: ``forward(x, wq, wk, wv, wo, rope, doc_
 (one log-sum-exp per head and token, float32) are saved for backward. Taking ``wo`` inside lets
 backward form each stage's slice of the pre-``wo`` gradient from ``grad_y`` directly, so the whole
 (tokens, H*d) gradient is never materialised.
+
+When backward receives the ``out`` of a forward that ran inside autograd's backward (an activation
+checkpoint's recompute), that tensor serves this backward only: torch's non-reentrant checkpoint
+recomputes for every backward and refuses to unpack a saved tensor twice, even under
+``GraphExecGroup``. The op then tells its backward that ``out`` is scratch
+(``AttentionParams.output_is_scratch``): a buffer of the output's size to hold the query gradients
+in, instead of a new one. The output of a forward outside backward (no checkpoint; or compiled,
+where the recompute is traced) stays intact for any number of backwards (``retain_graph``). The
+backward op's schema declares no mutation: it only writes a tensor nothing reads afterwards, and a
+declared one would bump the version counter of the forward's own output on every call, which
+breaks ``retain_graph``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +39,7 @@ import torch
 from torch import Tensor
 
 from upipe_dtensor.kernels.op_mode import OpSpec, call
-from upipe_dtensor.memory.kept_attention import kept_forward
+from upipe_dtensor.memory.kept_attention import in_backward, kept_forward
 
 _TENSORS = "Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor wo, Tensor rope, Tensor? doc_ids"
 
@@ -65,6 +77,9 @@ class AttentionParams:
     none."""
     store_name: str = ""
     """FPDT: the host store that parks earlier chunks (``memory.host_store.named_host_store``)."""
+    output_is_scratch: bool = False
+    """Set by the op for its backward, never by a style: the saved output may be overwritten (it
+    comes from a checkpoint's recompute; see the module docstring)."""
 
     @property
     def query_heads_per_rank(self) -> int:
@@ -122,8 +137,10 @@ class AttentionOp:
 
     def _backward(self, ctx, grad_y: Tensor, _grad_out: Tensor | None, _grad_lse: Tensor | None):
         x, wq, wk, wv, wo, rope, doc_ids, out, lse = ctx.saved_tensors
+        scratch = _recomputed(out)
+        params = dataclasses.replace(_params(ctx.constants), output_is_scratch=scratch)
         grads = call(
-            self.backward, grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, *ctx.constants
+            self.backward, grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, *_flat(params)
         )
         return (*grads, None, None) + (None,) * len(_PARAM_FIELDS)
 
@@ -167,3 +184,17 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, wq, wk, wv, wo, rope, doc_ids, out, lse)
     ctx.constants = constants
     ctx.set_materialize_grads(False)  # only grad_y is ever used: no zero-filled out/lse gradients
+    if in_backward():  # a checkpoint's recompute: its output serves one backward
+        storage = out.untyped_storage()
+        _RECOMPUTED[id(storage)] = storage
+
+
+_RECOMPUTED: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
+"""The storages of outputs made by forwards inside backward, until their backward takes them."""
+
+
+def _recomputed(out: Tensor) -> bool:
+    """Whether ``out`` (as backward unpacks it) was made by a forward inside backward; asked
+    once."""
+    storage = out.untyped_storage()
+    return _RECOMPUTED.pop(id(storage), None) is storage

@@ -31,10 +31,12 @@ Memory bound (per rank, N = B*S/C local tokens, c = N/u tokens per chunk, per-ra
           (~c*U*d each, local and gathered), one fetched earlier K/V chunk (+ the next in flight),
           the float32 running output of the chunk; in backward one query chunk's q, o, dO, dQ and
           one K/V chunk's k, v and float32 dK, dV. None of it grows with the number of chunks.
-          Sums across chunks and stages are float32: the weight gradients with several chunks
-          (one float32 copy of wq, wk, wv, independent of N), dx with several stages (UPipe x
-          FPDT: N*D*4 instead of N*D*b, cast to the N*D*b result at the end). One stage keeps
-          dx in b: the chunks' rows of dx are disjoint, nothing is summed across them.
+          Sums across chunks and a KV block's stages are float32: dQ, dK, dV and, with several
+          chunks, dwk and dwv (float32 copies of wk, wv, independent of N). Each final dQ_i
+          waits in the saved output buffer (the stage's chunks of it are parked first; without
+          activation checkpointing a new N*H*d*b buffer), and dx (N*D*b, created when the first
+          KV block closes; float32 beyond two KV blocks) and dwq are one product each at the
+          end, as in ``staged_attention``.
   host  : the K/V chunks of the current KV block (2*N*C*k*d), and in backward q, o, dO and
           partial dQ of the stage (~4*N*U*d) plus partial dK/dV between the stages of a block.
 """
@@ -202,7 +204,10 @@ def fpdt_backward(
     params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The paper's backward order per stage; returns (dx, dwq, dwk, dwv, dwo). Sums across
-    chunks (weight gradients, dQ, dK, dV) and stages (dx, a KV block's dK, dV) are float32."""
+    chunks (dwk, dwv, dQ, dK, dV) and a KV block's stages (dK, dV) are float32. Each final dQ_i
+    waits in its rows and stage heads of one (B, S/C, H, d) buffer, and dx += dQ @ wq and
+    dwq = dQ.T @ x are one product each at the end, as in ``staged_backward``; dx is created
+    when the first KV block closes."""
     layer = _Chunks(x, wq, wk, wv, params)
     schedule, backend, scale = (
         layer.schedule,
@@ -212,10 +217,13 @@ def fpdt_backward(
     parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
-    grad_x = accumulator(x, summed=len(schedule.stages) > 1)
-    grad_wq, grad_wk, grad_wv = (
+    # Every chunk's final dQ waits in its rows and stage heads of one buffer (the output, when it
+    # is scratch: a stage's slices of it are parked before any dQ of the stage is final).
+    grads_q = out if params.output_is_scratch else torch.empty_like(out)
+    grad_x: Tensor | None = None  # created when the first KV block closes
+    grad_wk, grad_wv = (
         accumulator(w, summed=params.chunks > 1).view(-1, params.head_dim, x.shape[-1])
-        for w in (wq, wk, wv)
+        for w in (wk, wv)
     )
     count = len(layer.spans)
 
@@ -282,18 +290,19 @@ def fpdt_backward(
                 grad_v_j += dv
                 del dq, dk, dv
                 if i == j:  # every key chunk of query chunk i is done: dQ_i is final
-                    span_j.query_backward(
-                        grad_q_i.to(x.dtype),
+                    span_j.store_query_grad(
+                        span_j.start_to_sequence(grad_q_i.to(x.dtype)),
                         stage,
                         _rows(rope, layer.local[i]),
-                        grad_x[:, layer.local[i]],
-                        grad_wq,
+                        grads_q[:, layer.local[i]],
                     )
                 else:
                     parking.put(("dq", i), grad_q_i)
                 del grad_q_i
             del k_j, v_j
             if stage.closes_kv_block:
+                if grad_x is None:
+                    grad_x = span_j.new_input_grad(x)
                 span_j.kv_backward(
                     grad_k_j,
                     grad_v_j,
@@ -309,6 +318,7 @@ def fpdt_backward(
             del grad_k_j, grad_v_j
         if stage.closes_kv_block:
             parking.clear()
+    grad_wq = AttentionProjections(x, wq, wk, wv, params).queries_backward(grads_q, grad_x)
     grads = (grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv))
     return (*(g.to(t.dtype) for g, t in zip(grads, (x, wq, wk, wv))), grad_wo)
 

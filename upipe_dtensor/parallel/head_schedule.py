@@ -57,6 +57,11 @@ class HeadSchedule:
     def n_kv_blocks(self) -> int:
         return self.stages[-1].kv_block + 1
 
+    @property
+    def stages_per_kv_block(self) -> int:
+        """Stages that share one KV block (and add into its dK/dV): H/U for one block."""
+        return len(self.stages) // self.n_kv_blocks
+
     def kv_block_heads(self, block: int) -> tuple[int, int]:
         """[start, stop) of the model's KV heads (rows of wk/wv) projected for ``block``."""
         per_block = self.head_degree * self.kv_heads_per_rank // self.kv_replication

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from upipe_dtensor.kernels.merge import accumulator
 from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
 from upipe_dtensor.parallel.all_to_all import (
     Exchange,
@@ -25,6 +26,10 @@ from upipe_dtensor.parallel.all_to_all import (
 )
 from upipe_dtensor.parallel.attention_op import AttentionParams
 from upipe_dtensor.parallel.head_schedule import HeadSchedule, Stage, make_head_schedule
+
+UNSHARDED_DX_ROUNDINGS = 5
+"""How often the unsharded model rounds an attention layer's dx in bf16: three products (through
+wq, wk and wv) and the two sums of them (autograd adds the gradients of x's three uses)."""
 
 
 @functools.cache
@@ -166,30 +171,28 @@ class AttentionProjections:
             return buffer[:, :, first : first + len(stage.query_heads)]
         return buffer.index_select(2, _head_index(stage.query_heads, buffer.device))
 
-    def query_backward(
-        self, grad_q_h: Tensor, stage: Stage, rope: Tensor, grad_x: Tensor, grad_wq: Tensor
-    ) -> None:
-        """From the stage's query gradient in the head layout: grad_x += dq @ wq[stage] (grad_x
-        is this span's (tokens, D) or (B, L, D) rows); grad_wq[stage heads] += dq.T @ x. The
-        gradients may be float32 accumulators of bf16 weights and activations."""
-        self.query_backward_from(self.start_to_sequence(grad_q_h), stage, rope, grad_x, grad_wq)
+    def new_input_grad(self, like: Tensor) -> Tensor:
+        """Zeros for the layer's dx, shaped like ``like`` (this span's x), to add the products
+        through wk and wv (two per KV block) and through wq (one for all query heads) into. Each
+        product rounds once in x's dtype, which is kept up to the unsharded model's
+        ``UNSHARDED_DX_ROUNDINGS`` (one or two KV blocks, as for Llama3 and Qwen3 with
+        n_kv_heads <= 2 C_h); more (e.g. MHA at U = C_h) are summed in float32."""
+        products = 2 * self.schedule.n_kv_blocks + 1
+        return accumulator(like, summed=products > UNSHARDED_DX_ROUNDINGS)
 
-    def query_backward_from(
-        self, grad_q: Exchange, stage: Stage, rope: Tensor, grad_x: Tensor, grad_wq: Tensor
-    ) -> None:
-        """``query_backward`` once the stage's query gradient, started back to the sequence
-        layout, arrives."""
-        grad_q = apply_rope_transpose(grad_q.result(), rope)
-        grad_q = grad_q.reshape(-1, self.head_dim * len(stage.query_heads))
-        _add_product(grad_x, grad_q, self.stage_rows(self.wq, stage))
-        first = stage.first_head_if_contiguous
-        if first is not None:
-            rows = grad_wq[first : first + len(stage.query_heads)].view(-1, self.dim)
-            _add_product(rows, grad_q.t(), self.x_flat)
-        else:
-            index = _head_index(stage.query_heads, grad_wq.device)
-            product = (grad_q.t() @ self.x_flat).view(-1, *grad_wq.shape[1:])
-            grad_wq.index_add_(0, index, product.to(grad_wq.dtype))
+    def store_query_grad(self, grad_q: Exchange, stage: Stage, rope: Tensor, grads: Tensor) -> None:
+        """The stage's query gradient, started back to the sequence layout: once it arrives,
+        rotated back and written into the stage's heads of ``grads`` (B, L, H, d), where every
+        stage's query gradient waits for ``queries_backward``."""
+        self.write_stage(grads, stage, apply_rope_transpose(grad_q.result(), rope))
+
+    def queries_backward(self, grads: Tensor, grad_x: Tensor) -> Tensor:
+        """From every query head's gradient ``grads`` (B, L, H, d) in the model's head order:
+        grad_x += dq @ wq, one product over all heads (one rounding, however many stages), and
+        the returned grad_wq = dq.T @ x (H*d, D)."""
+        grads = grads.reshape(-1, self.wq.shape[0] * self.head_dim)
+        _add_product(grad_x, grads, self.wq.reshape(-1, self.dim))
+        return grads.t() @ self.x_flat
 
     def kv_backward(
         self,
@@ -201,8 +204,9 @@ class AttentionProjections:
         grad_wk: Tensor,
         grad_wv: Tensor,
     ) -> None:
-        """From a KV block's (float32) K/V gradients in the head layout: grad_x += dk @ wk +
-        dv @ wv for the block's heads, and the block's rows of grad_wk/grad_wv += d.T @ x."""
+        """From a KV block's K/V gradients in the head layout (float32 sums over its stages,
+        chunks or ring steps, or one stage's kernel output): grad_x += dk @ wk + dv @ wv for the
+        block's heads, and the block's rows of grad_wk/grad_wv += d.T @ x."""
         grad_k = apply_rope_transpose(self._kv_grad(grad_k_h), rope)
         grad_v = self._kv_grad(grad_v_h)
         start, stop = self.schedule.kv_block_heads(block)

@@ -33,22 +33,26 @@ Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = 
   backward: recomputes each stage's Q (and each block's K/V) from x, exchanges the stage's slices
             of the output and of its gradient (formed from the layer's output gradient and the
             stage's columns of wo, so the whole pre-wo gradient never exists), and holds one
-            stage's worth of those plus dx, the weight gradients and the block's float32 dK/dV
-            accumulators (2 * N*C_h*k*d*4); a ring adds the travelling K/V and dK/dV of one block
-            and a float32 dQ of one stage. On CUDA flash-attn adds a float32 dQ workspace of the
-            stage (``kernels.attention.cuda_backward_workspace_bytes``). With more than one stage
-            dx is summed over the stages in a float32 accumulator, N*D*4 instead of N*D*b, and
-            cast to the N*D*b result at the end (both live then); with one stage (Ulysses, ring)
-            dx stays in b. Weight gradients need no accumulator: one stage writes each row.
+            stage's worth of those, the weight gradients and the block's dK/dV: float32 sums over
+            the block's stages (2 * N*C_h*k*d*4), or the kernel's own with one stage per block
+            (Ulysses, ring); a ring adds the travelling K/V and dK/dV of one block and a float32
+            dQ of one stage. On CUDA flash-attn adds a float32 dQ workspace of the stage
+            (``kernels.attention.cuda_backward_workspace_bytes``). Each stage's dQ, back in the
+            sequence layout, waits in the saved output buffer (its stage's slice was read first;
+            under activation checkpointing nothing else reads it, otherwise a new buffer of N*H*d*b
+            is taken). dx (N*D*b; float32 beyond two KV blocks, ``new_input_grad``) is created
+            when the first KV block closes and dwq after the last stage, each one product over all
+            query heads: while the stages run no dx is held (planner, Llama3-8B at 3M on 8 GPUs,
+            FA3, stages in turn: 48.0 GiB per GPU, where a float32 dx summed across the stages
+            planned 54.3).
   weights : a stage whose heads are not contiguous gathers its U*d rows of wq and columns of wo
             (independent of the sequence length, so negligible at long context).
   overlap : with ``overlap_stages`` (the default) stage s+1's exchanges are started before stage
             s's attention and waited for just before their use, and stage s's results (its output
             in forward, its dQ in backward) come back during stage s+1's attention: one more
             stage's Q (and K/V at a block boundary) in both layouts in forward, its Q, output and
-            output gradient in backward, plus the returning stage's buffers (planner, Llama3-8B
-            at 5M on 8 GPUs: 7.9 GiB per GPU, 59.5 -> 67.4 GiB). The sums stay in stage order,
-            so results are bitwise those of the stages in turn.
+            output gradient in backward, plus the returning stage's buffers. The sums stay in
+            stage order, so results are bitwise those of the stages in turn.
 Classic Ulysses (U = H) holds all of Q and the attention output in both layouts at once; UPipe
 with U = C_h holds C_h/H of that. ``benchmarks/attention_memory.py`` measures it.
 """
@@ -59,7 +63,7 @@ import torch
 from torch import Tensor
 
 from upipe_dtensor.kernels.backends import op_kernel
-from upipe_dtensor.kernels.merge import accumulator
+from upipe_dtensor.kernels.merge import add_piece
 from upipe_dtensor.parallel.all_to_all import Exchange
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
 from upipe_dtensor.parallel.head_schedule import Stage
@@ -186,14 +190,22 @@ def staged_backward(
     params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv, dwo).
-    Sums over stages (dx) and over a KV block's stages (dK, dV) are float32 (``merge``), added in
-    stage order whether or not the stages overlap."""
+
+    Each stage's dQ, back in the sequence layout, waits in its heads of a (B, S/C, H, d) buffer:
+    the saved output itself when it is scratch (``AttentionParams.output_is_scratch``; a stage's
+    slice of it is read before its dQ is written there). dx is created when the first KV block
+    closes, and dx += dQ @ wq and dwq = dQ.T @ x are one product each after the last stage, so
+    no dx is held while the stages run. A KV block's dK, dV are summed over its stages in float32
+    (``merge.add_piece``; a block of one stage keeps the kernel's own). The sums are in stage
+    order whether or not the stages overlap."""
     layer = _Layer(x, wq, wk, wv, params, doc_ids)
     stages = layer.schedule.stages
+    per_block = layer.schedule.stages_per_kv_block
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
-    grad_x = accumulator(x, summed=len(stages) > 1)
-    grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (layer.wq, layer.wk, layer.wv))
+    grads_q = out if params.output_is_scratch else torch.empty_like(out)
+    grad_x: Tensor | None = None  # created when the first KV block closes
+    grad_wk, grad_wv = (torch.zeros_like(w) for w in (layer.wk, layer.wv))
     k_h = v_h = grad_k_h = grad_v_h = None
     started: _BackwardInputs | None = None
     returning: tuple[Stage, Exchange] | None = None  # the previous stage's dQ, on its way
@@ -201,7 +213,7 @@ def staged_backward(
     def finish_query() -> None:
         nonlocal returning
         if returning is not None:
-            layer.query_backward_from(returning[1], returning[0], rope, grad_x, grad_wq)
+            layer.store_query_grad(returning[1], returning[0], rope, grads_q)
             returning = None
 
     for index, stage in enumerate(stages):
@@ -209,7 +221,6 @@ def staged_backward(
         q_h, o_h, grad_o_h, kv = inputs.result()
         if kv is not None:
             k_h, v_h = kv
-            grad_k_h, grad_v_h = accumulator(k_h), accumulator(v_h)
         following = _next(stages, index, params.overlap_stages)
         started = (
             None if following is None else _BackwardInputs(layer, following, rope, out, grad_y, wo)
@@ -227,8 +238,8 @@ def staged_backward(
             doc_ids,
         )
         del q_h, o_h, grad_o_h
-        grad_k_h += grad_k_stage
-        grad_v_h += grad_v_stage
+        grad_k_h = add_piece(grad_k_h, grad_k_stage, per_block)
+        grad_v_h = add_piece(grad_v_h, grad_v_stage, per_block)
         del grad_k_stage, grad_v_stage
 
         sent = layer.start_to_sequence(grad_q_h)
@@ -240,9 +251,12 @@ def staged_backward(
 
         if stage.closes_kv_block:
             del k_h, v_h
+            if grad_x is None:
+                grad_x = layer.new_input_grad(x)
             layer.kv_backward(grad_k_h, grad_v_h, stage.kv_block, rope, grad_x, grad_wk, grad_wv)
             k_h = v_h = grad_k_h = grad_v_h = None
 
+    grad_wq = layer.queries_backward(grads_q, grad_x)
     return (
         grad_x.to(x.dtype),
         grad_wq.view_as(wq),

@@ -47,17 +47,26 @@ class CudaAllowances:
     deliberately generous allowance (no GPU has been available to measure them here):
 
     - ``context_bytes``: the CUDA context and the loaded kernel images of torch, NCCL and
-      flash-attn. It is not in torch's allocator; with CUDA 12's lazy module loading it is commonly
-      reported at 0.5-0.8 GiB on H100 (nvidia-smi minus torch.cuda.memory_reserved). 1 GiB.
+      flash-attn. It is not in torch's allocator; with lazy module loading PyTorch measured 287 MB
+      for torch's own (pytorch/pytorch#86509, nvidia-smi style: total minus free), and about
+      400 MB is commonly reported (#109888); NCCL's and flash-attn's kernels add on first use.
+      1 GiB.
     - ``nccl_bytes_per_communicator``: NCCL's buffers, per communicator this rank belongs to (the
       default group, the FSDP group and each CP axis; NCCL creates one per process group on first
-      use). NCCL's documented default is NCCL_BUFFSIZE = 4 MiB per channel and direction, with up
-      to 32 channels (2 x 4 MiB x 32 = 256 MiB), plus point-to-point and NVLink-SHARP buffers.
-      0.5 GiB each.
+      use), allocated by NCCL outside torch's allocator. NCCL's documented default is
+      NCCL_BUFFSIZE = 4 MiB per channel and peer; measured: 544-688 MB per group on 4 x A100
+      (NVIDIA/nccl#964), but an all-to-all on 8 x H100 grew NCCL's memory by 3.3 GB (32 channels
+      per peer pair, NVIDIA/nccl#1685), so the head axis' communicator may need several times
+      this. 0.5 GiB each, until ``gpu_check`` measures this code's.
     - ``cublas_workspace_bytes``: cuBLAS/cuBLASLt workspaces of the compute stream (torch's
-      default CUBLAS_WORKSPACE_CONFIG on Hopper is 32 MiB, once per library). 64 MiB.
+      default CUBLAS_WORKSPACE_CONFIG on Hopper is 32 MiB, once per library), taken from torch's
+      caching allocator (``CublasHandlePool.cpp``). 64 MiB.
     - ``fragmentation``: caching-allocator rounding (512-byte blocks, 2 MiB pages) and what
-      expandable segments cannot hand back, as a fraction of the tracked peak. 5%.
+      expandable segments cannot hand back, as a fraction of the tracked peak (no published
+      figure). 5%.
+
+    ``Plan.allocator_peak_bytes`` leaves out the two that torch's allocator does not hold (the
+    context and NCCL's buffers): that is the peak ``torch.cuda.max_memory_reserved`` reports.
 
     FlashAttention's backward workspace is not an allowance: the traced CUDA kernels allocate it
     in the fake step at the moment the CUDA kernel would
@@ -161,6 +170,25 @@ class Plan:
         return "fits" if self.fits else f"does not fit ({self.exceeds})"
 
     @property
+    def tracked_peak_bytes(self) -> int:
+        """The device peak of the step's tensors alone, without any CUDA allowance: what
+        ``torch.cuda.max_memory_allocated`` measures."""
+        return self.device_peak_bytes - self._rows_bytes((*FIXED_ALLOWANCES, FRAGMENTATION))
+
+    @property
+    def allocator_peak_bytes(self) -> int:
+        """The device peak as torch's caching allocator holds it (``torch.cuda
+        .max_memory_reserved``, the "memory" torchtitan's trainer logs): the step's tensors, the
+        cuBLAS workspaces (torch allocates them) and the fragmentation allowance, without the
+        CUDA context and NCCL's buffers, which live outside torch's allocator. Measured reserved
+        peaks compare with this; the GPU's budget with ``device_peak_bytes``."""
+        return self.device_peak_bytes - self._rows_bytes((CUDA_CONTEXT, NCCL_BUFFERS))
+
+    def _rows_bytes(self, labels: tuple[str, ...]) -> int:
+        """Bytes of the breakdown rows whose label starts with one of ``labels``."""
+        return sum(n for label, n in self.device_breakdown.items() if label.startswith(labels))
+
+    @property
     def device_fixed_bytes(self) -> int:
         """The part of the device peak that does not grow with the sequence: model states and
         CUDA's fixed allowances (a search that holds one plan extrapolates from the rest)."""
@@ -179,6 +207,8 @@ class Plan:
             "fits_device": self.fits_device,
             "fits_host": self.fits_host,
             "exceeds": self.exceeds,
+            "tracked_peak_bytes": self.tracked_peak_bytes,
+            "allocator_peak_bytes": self.allocator_peak_bytes,
             "step_time_s": speed.step_time_s if speed else None,
             "tokens_per_s_per_gpu": speed.tokens_per_s_per_gpu if speed else None,
             "tokens_per_s_per_gpu_range": list(speed.tokens_per_s_per_gpu_range) if speed else None,
@@ -196,6 +226,11 @@ class Plan:
             f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
             f"{budget.device_bytes / GiB:g} GiB, at {self.device_peak_when}",
         ]
+        if self.allocator_peak_bytes != self.device_peak_bytes:
+            lines.append(
+                f"  torch allocator peak : {self.allocator_peak_bytes / GiB:8.2f} GiB (what "
+                "torch.cuda.max_memory_reserved reports: no CUDA context, no NCCL buffers)"
+            )
         for label, nbytes in sorted(self.device_breakdown.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {label:<42s} {nbytes / GiB:8.2f} GiB")
         lines += [
