@@ -27,11 +27,13 @@ from upipe_dtensor.data.documents import document_ids, document_positions
 from upipe_dtensor.data.loader import Tokenizer, build_tokenizer
 from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, build_meshes, parallelize_llama
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
+from upipe_dtensor.memory.host_store import to_device
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import Llama3, init_sharded_weights
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.models.llama3 import Llama3Args
 from upipe_dtensor.parallel import ContextParallelAttention
+from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
 
 
 def pick_device(config: JobConfig) -> torch.device:
@@ -76,8 +78,9 @@ def resolve_attention(
 
 
 def _init_process_group(backend: str) -> None:
-    """torchrun's process group; a plain ``python`` run (no RANK in the environment) is a
-    one-process group on a free local port, so evaluate and convert need no launcher for cp = 1."""
+    """torchrun's process group with ``backend`` (``runtime.process_group``: NCCL, and gloo for
+    host tensors); a plain ``python`` run (no RANK in the environment) is a one-process group on
+    a free local port, so evaluate and convert need no launcher for cp = 1."""
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -163,7 +166,7 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
     if kernel_device == "cuda" and not traced:
         activate_backend(choice.backend)
     if placement.device is None and not dist.is_initialized():
-        _init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _init_process_group(process_group_backend(device.type, holds_host_tensors(config)))
     parallelism = config.parallelism
     meshes = placement.meshes or build_meshes(
         device.type, dp, parallelism.context_parallel_degree, parallelism.ring_degree
@@ -203,7 +206,8 @@ class ParallelModel:
         """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
         setup = self.setup
         positions = self.cp_style.shard_positions(batch.shape[1], setup.cp_rank, setup.cp)
-        return batch.index_select(1, positions.to(batch.device)).to(setup.device)
+        shard = batch.index_select(1, positions.to(batch.device))
+        return to_device(shard, setup.device)  # pinned and non_blocking on CUDA
 
     def document_inputs(self, tokens: Tensor) -> dict[str, Tensor | None]:
         """The model's ``attention_masks`` and ``positions`` for a batch of whole sequences,

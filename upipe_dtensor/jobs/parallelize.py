@@ -159,6 +159,7 @@ def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallel
     meshes = setup.meshes
     mesh = meshes.cp_2d if setup.config.parallelism.ring_degree > 1 else meshes.cp
     parallelize_module(model, mesh, plan)
+    model.shard_rope = style.shard_rope  # the RoPE table once per forward, read by every layer
     return style
 
 
@@ -177,9 +178,14 @@ def apply_fsdp(
 ) -> None:
     training = config.training
     if mixed_precision:
+        # No cast of the units' floating inputs: the blocks' activations already arrive in the
+        # compute dtype (the embedding's weight is), and the RoPE frequencies (float64) or the
+        # shard's RoPE table (float32) they also receive must not be rounded to bf16 (at
+        # position 10^6 a bf16 frequency's rounding moves the angle by thousands of radians).
         mp_policy = MixedPrecisionPolicy(
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
+            cast_forward_inputs=False,
         )
     else:  # CPU kernels are not faster in bf16, and float32 keeps CPU runs exact
         mp_policy = MixedPrecisionPolicy()
