@@ -62,7 +62,7 @@ def resolve_attention(
     """[parallelism] attention_backend resolved for the device its kernels run on, the job's
     document masks, head_dim and compute dtype (ConfigError, before any process group)."""
     keys = ("parallelism.attention_backend", "job.device", "training.mixed_precision_param")
-    head_dim = args.dim // args.n_heads
+    head_dim = args.resolved_head_dim
     dtype = DTYPES[config.training.mixed_precision_param] if kernel_device == "cuda" else None
     try:
         return choose_backend(
@@ -75,6 +75,14 @@ def resolve_attention(
         )
     except ValueError as err:
         raise ConfigError(f"{config.source_of(*keys)}: [parallelism] {err}") from err
+
+
+def configure_allocator(config: JobConfig) -> None:
+    """[memory] expandable_segments for CUDA's caching allocator, which reads its settings at
+    the first CUDA allocation: call before any (the kernel probes allocate). A user's own
+    PYTORCH_CUDA_ALLOC_CONF wins."""
+    if config.memory.expandable_segments:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def _init_process_group(backend: str) -> None:
@@ -156,9 +164,7 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
             f"{config.model.tokenizer_folder} has {tokenizer.vocab_size} tokens, more than the "
             f"model's vocab_size {args.vocab_size} (flavor {config.model.flavor!r})"
         )
-    if config.memory.expandable_segments:
-        # Before the first CUDA allocation; a user's own setting wins.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    configure_allocator(config)
     device = placement.device or pick_device(config)
     kernel_device = placement.kernel_device or device.type
     traced = placement.kernel_device is not None

@@ -236,5 +236,11 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
             offload_skip_last=ac.cpu_offload_skip_last,
             blocks_per_checkpoint=ac.blocks_per_checkpoint,
         )
+        if cp_style.kept is not None:  # a group's inner blocks recompute twice in backward
+            for group in model.checkpoint_groups:
+                for name in group.names[:-1]:
+                    block = model.layers[name]
+                    block = getattr(block, "_checkpoint_wrapped_module", block)
+                    cp_style.kept.expect_recomputes(block.attention, 2)
     apply_fsdp(model, setup.meshes.fsdp, config, device, setup.mixed_precision)
     return Parallelized(cp_style=cp_style, host_offload=offload)

@@ -78,7 +78,7 @@ def varlen_seqlens(docs: Tensor, device: torch.device) -> tuple[Tensor, int]:
         bounds = [row * length + start for row, spans in enumerate(rows) for start, _ in spans]
         bounds.append(len(rows) * length)
         longest = max(end - start for spans in rows for start, end in spans)
-        host = torch.tensor(bounds, dtype=torch.int32, device=docs.device)
+        host = torch.tensor(bounds, dtype=torch.int32)  # host data, sent once without a sync
         return to_device(host, device), longest
 
     return derived(docs, ("varlen", str(device)), compute)
