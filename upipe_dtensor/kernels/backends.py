@@ -239,6 +239,8 @@ def choose_backend(
         skipped[candidate] = problem
     if head_dim is not None:  # not even sdpa runs it: say which kernels could
         check_kernel_limits("sdpa", head_dim, dtype)
+    if "sdpa" in skipped:  # torch's own kernels fail here: nothing is left to fall back on
+        raise ValueError(f"no attention kernel runs here: {Choice('', skipped).describe()}")
     return Choice("sdpa", skipped)
 
 
