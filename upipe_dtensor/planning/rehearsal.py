@@ -241,11 +241,7 @@ class GpuRehearsal:
         self.report.host_syncs[key] = self.report.host_syncs.get(key, 0.0) + repeats()
 
     def _collective(self, kind: str, args) -> None:
-        devices = {
-            "cpu" if self.on_host(t) else self.device_type
-            for t in _tensors(args)
-            if t.numel() or t.dim()
-        }
+        devices = {"cpu" if self.on_host(t) else self.device_type for t in _tensors(args)}
         for device in devices or {self.device_type}:
             key = (kind, device)
             self.report.collectives[key] = self.report.collectives.get(key, 0.0) + repeats()
@@ -262,6 +258,7 @@ class GpuRehearsal:
         if from_host == to_host:
             return
         direction = "host-to-device" if from_host else "device-to-host"
+        # A non_blocking ``.to(host)`` pins the copy it makes (``_to_copy``'s pinned output).
         if not non_blocking:
             self._sync(f"blocking {direction} copy")
         elif from_host and not host_store.is_pinned(source):

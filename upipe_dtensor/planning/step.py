@@ -12,6 +12,11 @@ modelled by moving the sharded float32 parameters, gradients and optimizer state
 to the host. What a CUDA run holds outside the step's tensors (CUDA context, NCCL buffers, cuBLAS
 workspaces, allocator fragmentation) is added as documented allowances (``CudaAllowances``), and
 flash-attn's backward workspace is allocated in the fake step where the kernel would allocate it.
+
+A GPU plan also rehearses the CUDA job on the same step (``planning.rehearsal``): the
+process-group backend it initialises (``runtime.process_group``, the trainer's own choice), every
+collective by kind and by the device type of its tensors (a collective on a device type that
+backend does not serve refuses the plan), and the host syncs of one step with their call sites.
 """
 
 from __future__ import annotations
@@ -236,7 +241,10 @@ class Plan:
     def _render_rehearsal(self) -> list[str]:
         """The process group, the collectives and the host syncs of one step."""
         collectives = ", ".join(f"{kind} {n:,}" for kind, n in self.collectives.items())
-        lines = [f"  process group        : {self.process_group_backend} ({collectives})"]
+        lines = [
+            f"  process group        : {self.process_group_backend}"
+            + (f" ({collectives})" if collectives else "")
+        ]
         if self.host_syncs_per_step is not None:
             lines.append(f"  host syncs per step  : {self.host_syncs_per_step}")
             lines += [
