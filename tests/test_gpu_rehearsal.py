@@ -176,7 +176,7 @@ def test_document_boundaries_go_to_the_device_once_per_step_without_a_sync() -> 
     with FakeTensorMode(allow_non_fake_inputs=True):
         rehearsal = GpuRehearsal(torch.device("cpu"), torch.device("meta"))
         rehearsal.counting = True
-        with rehearsal.step():
+        with rehearsal.ops(), rehearsal.step():
             on_device = {"dtype": torch.bfloat16, "device": "cpu"}  # the GPU's stand-in
             q = torch.empty(2, 96, 4, 16, **on_device)
             k, v = torch.empty(2, 96, 2, 16, **on_device), torch.empty(2, 96, 2, 16, **on_device)

@@ -180,8 +180,8 @@ class GpuRehearsal:
     """Records a ``RehearsalReport`` of the traced step; see the module docstring.
 
     ``device`` and ``host`` are the planner's stand-ins (fake CPU and ``meta``), ``device_type``
-    the device type of the job rehearsed. Enter it around the step (inside the planner's
-    ``FakeTensorMode``); it counts while ``counting``.
+    the device type of the job rehearsed. Enter ``ops()`` right inside the planner's
+    ``FakeTensorMode`` and ``step()`` around the step; it counts while ``counting``.
     """
 
     def __init__(self, device: torch.device, host: torch.device, device_type: str = "cuda"):
@@ -274,11 +274,19 @@ class GpuRehearsal:
         if any(self._is_held(t) for t in _tensors((args, kwargs)) if is_fake(t)):
             self.hold_on_host(t for t in _tensors(out) if is_fake(t))
 
+    def ops(self) -> TorchDispatchMode:
+        """The op-level watcher (copies, collectives, FSDP2's host tensors), entered right inside
+        the planner's ``FakeTensorMode``, below its other modes: DTensor runs its local ops and
+        the collectives its placements need (the gradient norm's all-reduce) in its own dispatch,
+        which this mode is the only one to see (it hands DTensor ops on, so the modes above see
+        them as DTensor ops, as without it)."""
+        return self._dispatch
+
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """The rehearsed step: factories without a device make host tensors, and (while
-        ``counting``) host syncs and collectives are recorded."""
-        with host_store.rehearsing(), self._functions, self._dispatch:
+        """The rehearsed step: factories without a device make host tensors, the host store
+        copies as on CUDA, and device reads are recorded (while ``counting``)."""
+        with host_store.rehearsing(), self._functions:
             yield
 
 
@@ -291,9 +299,7 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if DTensor in types:
-            # DTensor runs its local ops (and the collectives its placements need, such as the
-            # gradient norm's all-reduce) in its own dispatch: let it, with this mode on.
+        if DTensor in types:  # DTensor's own dispatch runs its local ops, this mode still on
             return NotImplemented
         out = func(*args, **kwargs)
         owner = self.owner

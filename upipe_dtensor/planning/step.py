@@ -412,7 +412,14 @@ def plan_job(
         tracker = LiveMemoryTracker()
         counter = StepWorkCounter(DEVICE, host, budget.gpus_per_node)
         rehearsal = GpuRehearsal(DEVICE, host, target) if target == "cuda" else None
-        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker, counter:
+        watch = rehearsal.ops() if rehearsal is not None else contextlib.nullcontext()
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            watch,
+            transparent_ops(),
+            tracker,
+            counter,
+        ):
             placement = Placement(
                 meshes=meshes,
                 device=DEVICE,
