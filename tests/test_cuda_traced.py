@@ -3,9 +3,9 @@
 aten's CUDA attention ops have meta kernels, so on fake CPU tensors the kernels a GPU job would
 call run here, forward, backward and optimizer, under FSDP2 mixed precision (param bf16, reduce
 float32). The planner's own step (``plan_job``, target "cuda") is what runs; a spy on the aten ops
-proves which kernels were called, and that the CPU kernel was not. Document masks: with real
-document ids the varlen branch of aten's flash kernel is traced (UPipe); the planner itself plans
-document-masked blocks as dense ones (its document ids are fake). Also: the backend choice, the
+proves which kernels were called, and that the CPU kernel was not. Document masks: the varlen
+branch of aten's flash kernel is traced, with real document ids (UPipe) and in the planner, whose
+fake document ids count as one document per row. Also: the backend choice, the
 flash-attn import check with its fallback, and the per-backend head_dim and dtype checks.
 """
 
@@ -78,7 +78,7 @@ STEPS = {
     "fa4 (registry, aten's flash op)": (["--parallelism.attention_backend", "fa4"], "flash"),
     "flash-attn twin": (["--parallelism.attention_backend", "flash"], "flash"),
     "float32 -> efficient": (["--training.mixed_precision_param", "float32"], "efficient"),
-    "documents (planned dense)": (
+    "documents (one varlen document per row)": (
         ["--training.attention_mask", "document", "--training.position_ids", "document"],
         "flash",
     ),
@@ -165,6 +165,7 @@ def gpu_without_kernels(monkeypatch):
     missing = {"FA3": "flash_attn_interface does not import", "FA4": "no flash_attn.cute"}
     monkeypatch.setattr(backends, "registry_impl_problem", missing.get)
     monkeypatch.setattr(backends, "flash_attn_problem", lambda: "flash-attn is not installed")
+    monkeypatch.setattr(backends, "probe_problem", lambda *args: "")  # what is installed runs
 
     def on(major: int) -> None:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
@@ -217,6 +218,7 @@ def broken_flash_attn(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backends.importlib.metadata, "version", lambda name: "2.8.3")
+    monkeypatch.setattr(backends, "probe_problem", lambda *args: "")  # what is installed runs
     backends.flash_attn_problem.cache_clear()
     yield
     sys.modules.pop("flash_attn", None)

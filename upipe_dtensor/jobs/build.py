@@ -27,11 +27,13 @@ from upipe_dtensor.data.documents import document_ids, document_positions
 from upipe_dtensor.data.loader import Tokenizer, build_tokenizer
 from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, build_meshes, parallelize_llama
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
+from upipe_dtensor.memory.host_store import to_device
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import Llama3, init_sharded_weights
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.models.llama3 import Llama3Args
 from upipe_dtensor.parallel import ContextParallelAttention
+from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
 
 
 def pick_device(config: JobConfig) -> torch.device:
@@ -60,7 +62,7 @@ def resolve_attention(
     """[parallelism] attention_backend resolved for the device its kernels run on, the job's
     document masks, head_dim and compute dtype (ConfigError, before any process group)."""
     keys = ("parallelism.attention_backend", "job.device", "training.mixed_precision_param")
-    head_dim = args.dim // args.n_heads
+    head_dim = args.resolved_head_dim
     dtype = DTYPES[config.training.mixed_precision_param] if kernel_device == "cuda" else None
     try:
         return choose_backend(
@@ -75,9 +77,18 @@ def resolve_attention(
         raise ConfigError(f"{config.source_of(*keys)}: [parallelism] {err}") from err
 
 
+def configure_allocator(config: JobConfig) -> None:
+    """[memory] expandable_segments for CUDA's caching allocator, which reads its settings at
+    the first CUDA allocation: call before any (the kernel probes allocate). A user's own
+    PYTORCH_CUDA_ALLOC_CONF wins."""
+    if config.memory.expandable_segments:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def _init_process_group(backend: str) -> None:
-    """torchrun's process group; a plain ``python`` run (no RANK in the environment) is a
-    one-process group on a free local port, so evaluate and convert need no launcher for cp = 1."""
+    """torchrun's process group with ``backend`` (``runtime.process_group``: NCCL, and gloo for
+    host tensors); a plain ``python`` run (no RANK in the environment) is a one-process group on
+    a free local port, so evaluate and convert need no launcher for cp = 1."""
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -153,9 +164,7 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
             f"{config.model.tokenizer_folder} has {tokenizer.vocab_size} tokens, more than the "
             f"model's vocab_size {args.vocab_size} (flavor {config.model.flavor!r})"
         )
-    if config.memory.expandable_segments:
-        # Before the first CUDA allocation; a user's own setting wins.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    configure_allocator(config)
     device = placement.device or pick_device(config)
     kernel_device = placement.kernel_device or device.type
     traced = placement.kernel_device is not None
@@ -163,7 +172,7 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
     if kernel_device == "cuda" and not traced:
         activate_backend(choice.backend)
     if placement.device is None and not dist.is_initialized():
-        _init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _init_process_group(process_group_backend(device.type, holds_host_tensors(config)))
     parallelism = config.parallelism
     meshes = placement.meshes or build_meshes(
         device.type, dp, parallelism.context_parallel_degree, parallelism.ring_degree
@@ -203,7 +212,8 @@ class ParallelModel:
         """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
         setup = self.setup
         positions = self.cp_style.shard_positions(batch.shape[1], setup.cp_rank, setup.cp)
-        return batch.index_select(1, positions.to(batch.device)).to(setup.device)
+        shard = batch.index_select(1, positions.to(batch.device))
+        return to_device(shard, setup.device)  # pinned and non_blocking on CUDA
 
     def document_inputs(self, tokens: Tensor) -> dict[str, Tensor | None]:
         """The model's ``attention_masks`` and ``positions`` for a batch of whole sequences,

@@ -17,15 +17,27 @@ Everything it calls is what the traced CUDA-branch tests run on fake tensors
 (``tests/test_cuda_traced.py``): the styles, the kernel backends, the trainer's step. The table
 at the end (markdown) is made to be pasted into an issue. ``--device cpu`` runs the same code on
 CPU processes (sdpa only, the debug flavor for the step), as a smoke test.
+
+It exists to report failures, so it survives them: a backend takes part only where it passes the
+kernel probe on every rank (``kernels.probe``); a (style, backend) or the step that raises on any
+rank is a "failed: ..." row on every rank (``outcome_on_every_rank``), and the check goes on. A
+failure that leaves some ranks inside a collective the failing one never joins cannot be agreed
+on; the process group's timeout (10 minutes) then ends the run. The allocator settings are made
+on every rank before its first CUDA allocation, the 2D mesh (new NCCL communicators) is built
+once, each backend's models and pinned host buffers are freed before the next, and the step is
+planned with the backend it will run here.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import gc
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,7 +49,9 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from upipe_dtensor.config import ConfigError, parse_args
-from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, resolve_backend
+from upipe_dtensor.jobs.build import configure_allocator
+from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, choose_backend
+from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel import (
     ContextParallelAttention,
     FPDTAttention,
@@ -46,6 +60,7 @@ from upipe_dtensor.parallel import (
     UPipeAttention,
 )
 from upipe_dtensor.planning.step import Budget, Plan, plan_job
+from upipe_dtensor.runtime.collectives import outcome_on_every_rank
 from upipe_dtensor.runtime.errors import run_main
 from upipe_dtensor.runtime.parity import (
     cast_parameters,
@@ -55,12 +70,15 @@ from upipe_dtensor.runtime.parity import (
     summed_grads,
     worst_grad_err,
 )
+from upipe_dtensor.runtime.process_group import process_group_backend
 
 GiB = 2**30
 HEADS, KV_HEADS, HEAD_DIM, VOCAB = 8, 4, 64, 256
+TOKENS_PER_RANK = 512
+"""The parity check's sequence: this many tokens per CP rank."""
 
 
-@dataclass
+@dataclasses.dataclass
 class ParityRow:
     style: str
     backend: str
@@ -88,31 +106,49 @@ def cp_degree(world: int) -> int:
 
 
 def available_backends(device_type: str) -> tuple[list[str], dict[str, str]]:
-    """The backends that run here, and why each other one does not."""
+    """The backends that run here on every rank (installed, and passing the kernel probe with
+    the small model's head_dim in bf16), and why each other one does not."""
     working, skipped = [], {}
     for name in BACKENDS:
         if name == "auto":
             continue
         try:
-            resolve_backend(name, device_type)
+            dtype = torch.bfloat16 if device_type == "cuda" else None
+            choose_backend(name, device_type, head_dim=HEAD_DIM, dtype=dtype)
             working.append(name)
         except ValueError as err:
             skipped[name] = str(err)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # what runs on every rank
+        every: list[tuple[list[str], dict[str, str]]] = [([], {})] * dist.get_world_size()
+        dist.all_gather_object(every, (working, skipped))
+        skipped = {name: why for _, theirs in reversed(every) for name, why in theirs.items()}
+        working = [name for name in working if name not in skipped]
     return working, skipped
 
 
-def _styles(cp: int, seq_len: int, backend: str, device_type: str) -> dict[str, object]:
+def _styles(
+    cp: int, seq_len: int, backend: str, device_type: str, two_d: DeviceMesh | None
+) -> dict[str, tuple[ContextParallelAttention, DeviceMesh | None]]:
+    """Each style, and the mesh it runs on when not the 1-D CP mesh (2D UPipe: ``two_d``)."""
     kernels = {"backend": backend, "kernel_device": device_type}
-    styles: dict[str, ContextParallelAttention] = {
-        "UPipe (U = C)": UPipeAttention(**kernels),
-        "Ulysses": UlyssesAttention(**kernels),
-        "ring": RingAttention(**kernels),
-        "FPDT (4 chunks)": FPDTAttention(chunk_tokens=seq_len // 4, **kernels),
-        "UPipe x FPDT (4 chunks)": UPipeAttention(chunk_tokens=seq_len // 4, **kernels),
+    styles: dict[str, tuple[ContextParallelAttention, DeviceMesh | None]] = {
+        "UPipe (U = C)": (UPipeAttention(**kernels), None),
+        "Ulysses": (UlyssesAttention(**kernels), None),
+        "ring": (RingAttention(**kernels), None),
+        "FPDT (4 chunks)": (FPDTAttention(chunk_tokens=seq_len // 4, **kernels), None),
+        "UPipe x FPDT (4 chunks)": (UPipeAttention(chunk_tokens=seq_len // 4, **kernels), None),
     }
-    if cp >= 4 and cp == dist.get_world_size():  # 2D takes the whole world as its CP group
-        styles["2D UPipe (2 x C/2)"] = UPipeAttention(ring_degree=2, **kernels)
+    if two_d is not None:
+        styles["2D UPipe (2 x C/2)"] = (UPipeAttention(ring_degree=2, **kernels), two_d)
     return styles
+
+
+def two_d_mesh(cp: int, device_type: str) -> DeviceMesh | None:
+    """The (cp_ring, cp_heads) mesh of 2D UPipe, built once (its process groups are NCCL
+    communicators, which are not freed): 2 x C/2 when the whole world is one CP group of 4+."""
+    if cp < 4 or cp != dist.get_world_size():
+        return None
+    return init_device_mesh(device_type, (2, cp // 2), mesh_dim_names=("cp_ring", "cp_heads"))
 
 
 def _small_model(seq_len: int, device: torch.device) -> Transformer:
@@ -142,43 +178,99 @@ def _loss_and_grads(model: nn.Module, tokens, labels, seq_len: int, style=None, 
     return gather_sequence(logits.detach(), style, group), summed_grads(model, group)
 
 
-def check_parity(mesh: DeviceMesh, device: torch.device, backends: list[str]) -> list[ParityRow]:
-    """Every style with every backend against the float64 unsharded model (module docstring)."""
+@dataclasses.dataclass
+class FailedRow:
+    """A (style, backend) that raised: reported in the table instead of ending the check."""
+
+    style: str
+    backend: str
+    error: str
+
+
+def _free(device: torch.device) -> None:
+    """Give back what a backend's styles built: models, host stores (their pinned memory is
+    unregistered when collected, ``HostStore.free``) and cached device memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_parity(
+    mesh: DeviceMesh, device: torch.device, backends: list[str], two_d: DeviceMesh | None = None
+) -> list[ParityRow | FailedRow]:
+    """Every style with every backend against the float64 unsharded model (module docstring).
+    A (style, backend) that fails on any rank is a failed row on every rank, and the check goes
+    on with the next one."""
     cp = mesh.size()
-    seq_len = 512 * cp
+    seq_len = TOKENS_PER_RANK * cp
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (1, seq_len + 1), generator=generator).to(device)
-    tokens, labels = tokens[:, :-1], tokens[:, 1:]
+    batch = _Batch(tokens[:, :-1], tokens[:, 1:], seq_len, device)
     exact = _small_model(seq_len, device)
     cast_parameters(exact, torch.float64)
-    exact_logits, exact_grads = _loss_and_grads(exact, tokens, labels, seq_len)
-    rows = []
+    batch.exact_logits, batch.exact_grads = _loss_and_grads(exact, *batch.tokens_and_labels)
+    rows: list[ParityRow | FailedRow] = []
     for backend in backends:
-        if device.type == "cuda":
-            activate_backend(backend)  # FA3/FA4 take over aten's flash ops process-wide
-        plain = _small_model(seq_len, device)
-        cast_parameters(plain, torch.bfloat16)
-        plain_logits, plain_grads = _loss_and_grads(plain, tokens, labels, seq_len)
-        reference = (rel_err(plain_logits, exact_logits), worst_grad_err(plain_grads, exact_grads))
-        for name, style in _styles(cp, seq_len, backend, device.type).items():
-            model = _small_model(seq_len, device)
-            cast_parameters(model, torch.bfloat16)
-            style_mesh = mesh
-            if getattr(style, "ring_degree", 1) == 2:
-                names = ("cp_ring", "cp_heads")
-                style_mesh = init_device_mesh(device.type, (2, cp // 2), mesh_dim_names=names)
-            parallelize_module(model, style_mesh, {"layers.*.attention": style})
-            logits, grads = _loss_and_grads(model, tokens, labels, seq_len, style, mesh)
-            rows.append(
-                ParityRow(
-                    name, backend, rel_err(logits, exact_logits),
-                    worst_grad_err(grads, exact_grads), *reference,
-                )
-            )  # fmt: skip
+        reference, failure = outcome_on_every_rank(functools.partial(_plain_errors, batch, backend))
+        styles = _styles(cp, seq_len, backend, device.type, two_d)
+        for name, (style, style_mesh) in styles.items():
+            errors, style_failure = None, failure
+            if failure is None:
+                run = functools.partial(_style_errors, batch, style, style_mesh or mesh, mesh)
+                errors, style_failure = outcome_on_every_rank(run)
+            if style_failure is not None:
+                rows.append(FailedRow(name, backend, _one_line(style_failure)))
+            else:
+                rows.append(ParityRow(name, backend, *errors, *reference))
+        del styles
+        _free(device)
     return rows
 
 
-@dataclass
+@dataclasses.dataclass
+class _Batch:
+    """The parity check's sequence and the float64 model's answers on it."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    seq_len: int
+    device: torch.device
+    exact_logits: torch.Tensor | None = None
+    exact_grads: dict | None = None
+
+    @property
+    def tokens_and_labels(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.tokens, self.labels, self.seq_len
+
+    def errors(self, logits: torch.Tensor, grads: dict) -> tuple[float, float]:
+        return rel_err(logits, self.exact_logits), worst_grad_err(grads, self.exact_grads)
+
+
+def _plain_errors(batch: _Batch, backend: str) -> tuple[float, float]:
+    """The unsharded bf16 model's errors with ``backend``'s kernels."""
+    if batch.device.type == "cuda":
+        activate_backend(backend)  # FA3/FA4 take over aten's flash ops process-wide
+    plain = _small_model(batch.seq_len, batch.device)
+    cast_parameters(plain, torch.bfloat16)
+    return batch.errors(*_loss_and_grads(plain, *batch.tokens_and_labels))
+
+
+def _style_errors(
+    batch: _Batch, style: ContextParallelAttention, style_mesh: DeviceMesh, mesh: DeviceMesh
+) -> tuple[float, float]:
+    """A style's errors in bf16 (its logits gathered and gradients summed over ``mesh``)."""
+    model = _small_model(batch.seq_len, batch.device)
+    cast_parameters(model, torch.bfloat16)
+    parallelize_module(model, style_mesh, {"layers.*.attention": style})
+    return batch.errors(*_loss_and_grads(model, *batch.tokens_and_labels, style, mesh))
+
+
+def _one_line(err: Exception) -> str:
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+@dataclasses.dataclass
 class StepRow:
     job: str
     tokens_per_s_per_gpu: float
@@ -188,7 +280,9 @@ class StepRow:
     planned_total_gib: float
 
 
-def _step_config(args: argparse.Namespace, world: int, dump: str, offload: bool):
+def _step_config(
+    args: argparse.Namespace, world: int, dump: str, offload: bool, backend: str = "auto"
+):
     cp = cp_degree(world)
     return parse_args([
         "--config", args.recipe,
@@ -197,6 +291,7 @@ def _step_config(args: argparse.Namespace, world: int, dump: str, offload: bool)
         "--training.enable_cpu_offload", str(offload).lower(),
         "--parallelism.context_parallel_degree", str(cp),
         "--parallelism.heads_per_stage", "0",
+        "--parallelism.attention_backend", backend,
         "--checkpoint.enable", "false",
         "--metrics.enable_tensorboard", "false",
         "--job.dump_folder", dump,
@@ -204,12 +299,30 @@ def _step_config(args: argparse.Namespace, world: int, dump: str, offload: bool)
     ])  # fmt: skip
 
 
+def step_backend(args: argparse.Namespace, world: int, dump: str) -> str:
+    """The attention backend the step runs on this GPU: the recipe's, resolved here as the trainer
+    resolves it (installed, passing the probe with the model's head_dim in bf16), so the plan
+    prices the kernel that runs, not the planner's Hopper-with-FA3 default."""
+    config = _step_config(args, world, dump, offload=False)
+    if args.device != "cuda":
+        return "sdpa"
+    shape = model_args(config.model, config.training.seq_len)
+    return choose_backend(
+        config.parallelism.attention_backend,
+        "cuda",
+        documents=config.training.attention_mask == "document",
+        head_dim=shape.resolved_head_dim,
+        dtype=torch.bfloat16,
+    ).backend
+
+
 def plan_step(args: argparse.Namespace, world: int, dump: str) -> tuple[object, Plan]:
-    """The planner's prediction for the step, before any real process group exists; FSDP CPU
-    offload is turned on when the plan does not fit without it."""
+    """The planner's prediction for the step, before any real process group exists (the planner
+    makes a fake one); FSDP CPU offload is turned on when the plan does not fit without it."""
     budget = Budget(device_bytes=_device_bytes(args.device))
+    backend = step_backend(args, world, dump)
     for offload in (False, True):
-        config = _step_config(args, world, dump, offload)
+        config = _step_config(args, world, dump, offload, backend)
         plan = plan_job(config, budget, world, target="cuda" if args.device == "cuda" else "cpu")
         if plan.fits:
             break
@@ -251,7 +364,14 @@ def measure_step(config, plan: Plan) -> StepRow:
     )
 
 
-def render(world: int, device: str, parity, skipped, step: StepRow | None) -> str:
+def render(
+    world: int,
+    device: str,
+    parity: list[ParityRow | FailedRow],
+    skipped: dict[str, str],
+    step: StepRow | None,
+    step_failure: str = "",
+) -> str:
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
     lines = [
         f"### upipe-dtensor gpu_check: {world} x {name}, torch {torch.__version__}",
@@ -260,25 +380,33 @@ def render(world: int, device: str, parity, skipped, step: StepRow | None) -> st
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in parity:
+        if isinstance(r, FailedRow):
+            lines.append(f"| {r.style} | {r.backend} | failed: {r.error} | | | |")
+            continue
         lines.append(
             f"| {r.style} | {r.backend} | {r.logits_err:.2e} | {r.grad_err:.2e} | "
             f"{r.reference_logits_err:.2e} / {r.reference_grad_err:.2e} | {r.ratio:.2f} |"
         )
     lines += [f"| (skipped) | {b} | {why} | | | |" for b, why in skipped.items()]
-    if step is not None:
+    if step is not None or step_failure:
         lines += [
             "",
             "| step | tokens/s/GPU | allocated GiB | reserved GiB | planned (tracked) GiB "
             "| planned (with CUDA allowances) GiB |",
             "|---|---:|---:|---:|---:|---:|",
+        ]
+    if step_failure:
+        lines.append(f"| failed: {step_failure} | | | | | |")
+    elif step is not None:
+        lines.append(
             f"| {step.job} | {step.tokens_per_s_per_gpu:,.0f} | "
             + (
                 f"{step.allocated_gib:.2f} | {step.reserved_gib:.2f}"
                 if device == "cuda"
                 else "n/a | n/a"
             )
-            + f" | {step.planned_tracked_gib:.2f} | {step.planned_total_gib:.2f} |",
-        ]
+            + f" | {step.planned_tracked_gib:.2f} | {step.planned_total_gib:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -290,22 +418,28 @@ def run(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("gpu_check needs CUDA here; --device cpu runs the same code on CPUs")
     dump = tempfile.mkdtemp(prefix="gpu_check-")
-    planned = plan_step(args, world, dump) if args.step and rank == 0 else None  # no group yet
+    # Every rank, before its first CUDA allocation (the kernel probes, the plan, the parity).
+    configure_allocator(_step_config(args, world, dump, offload=False))
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
     if args.device == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    planned = plan_step(args, world, dump) if args.step and rank == 0 else None  # no group yet
+    # gloo beside NCCL: the step may run with FSDP CPU offload (runtime.process_group).
+    dist.init_process_group(
+        process_group_backend(args.device, host_tensors=True), timeout=timedelta(minutes=10)
+    )
     backends, skipped = available_backends(args.device)
     cp = cp_degree(world)
     mesh = init_device_mesh(args.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
-    parity = check_parity(mesh, device, backends)
-    step = None
+    parity = check_parity(mesh, device, backends, two_d_mesh(cp, args.device))
+    step, step_failure = None, None
     if args.step:
         shared = [planned]  # rank 0's (config, plan) to every rank
         dist.broadcast_object_list(shared)
-        step = measure_step(*shared[0])
+        step, step_failure = outcome_on_every_rank(lambda: measure_step(*shared[0]))
     if rank == 0:
-        print(render(world, args.device, parity, skipped, step), flush=True)
+        failure = _one_line(step_failure) if step_failure is not None else ""
+        print(render(world, args.device, parity, skipped, step, failure), flush=True)
 
 
 def main(argv: list[str]) -> int:

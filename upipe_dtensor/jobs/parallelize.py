@@ -159,6 +159,7 @@ def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallel
     meshes = setup.meshes
     mesh = meshes.cp_2d if setup.config.parallelism.ring_degree > 1 else meshes.cp
     parallelize_module(model, mesh, plan)
+    model.shard_rope = style.shard_rope  # the RoPE table once per forward, read by every layer
     return style
 
 
@@ -177,9 +178,14 @@ def apply_fsdp(
 ) -> None:
     training = config.training
     if mixed_precision:
+        # No cast of the units' floating inputs: the blocks' activations already arrive in the
+        # compute dtype (the embedding's weight is), and the RoPE frequencies (float64) or the
+        # shard's RoPE table (float32) they also receive must not be rounded to bf16 (at
+        # position 10^6 a bf16 frequency's rounding moves the angle by thousands of radians).
         mp_policy = MixedPrecisionPolicy(
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
+            cast_forward_inputs=False,
         )
     else:  # CPU kernels are not faster in bf16, and float32 keeps CPU runs exact
         mp_policy = MixedPrecisionPolicy()
@@ -230,5 +236,11 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
             offload_skip_last=ac.cpu_offload_skip_last,
             blocks_per_checkpoint=ac.blocks_per_checkpoint,
         )
+        if cp_style.kept is not None:  # a group's inner blocks recompute twice in backward
+            for group in model.checkpoint_groups:
+                for name in group.names[:-1]:
+                    block = model.layers[name]
+                    block = getattr(block, "_checkpoint_wrapped_module", block)
+                    cp_style.kept.expect_recomputes(block.attention, 2)
     apply_fsdp(model, setup.meshes.fsdp, config, device, setup.mixed_precision)
     return Parallelized(cp_style=cp_style, host_offload=offload)

@@ -34,19 +34,22 @@ there its twin, aten's copy of the same FlashAttention-2 kernels (same outputs, 
 is traced instead. The other device-only pieces (streams, events, pinned memory) are in
 ``memory/host_store.py``, whose CPU twin is the same code with plain copies.
 
-On fake tensors with fake document ids (the memory planner) a document-masked block is planned as
-the dense block of the same shapes: the kernels' outputs are the same size either way and the
-boundary metadata is a few integers per document. With real document ids (the tests), the varlen
-CUDA branch itself is traced.
+Document boundaries (varlen ``cu_seqlens``, a past block's shared document) are computed once per
+step per document-id tensor and sent to the device without a host sync
+(``kernels.document_blocks``). Fake document ids (the memory planner's) describe one document per
+row, so the planner traces the document path (varlen kernels included) with the shapes of the
+dense blocks; with real document ids (the tests) it runs on their real boundaries.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake
 
 from upipe_dtensor.kernels.backends import REGISTRY_IMPLS
+from upipe_dtensor.kernels.document_blocks import segments as document_segments
+from upipe_dtensor.kernels.document_blocks import shared_document, varlen_seqlens
 
 # --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
 
@@ -248,51 +251,15 @@ def _kernel_backward(
 
 
 def _documents_given(q_docs: Tensor | None, k_docs: Tensor | None) -> bool:
-    """Document ids with values: real ones (fake ids, the planner's, have none: dense plan)."""
     if (q_docs is None) != (k_docs is None):
         raise ValueError("pass both q_docs and k_docs, or neither")
-    return q_docs is not None and not is_fake(q_docs)
+    return q_docs is not None
 
 
-def _segments(docs: Tensor) -> list[list[tuple[int, int]]]:
-    """[start, end) of every document, per batch row: host metadata, computed outside any fake
-    mode (the planner traces the kernels, not this)."""
-    rows = []
-    length = docs.shape[1]
-    with unset_fake_temporarily():
-        for row in docs.cpu():
-            cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
-            bounds = [0, *cuts, length]
-            rows.append(list(zip(bounds[:-1], bounds[1:])))
-    return rows
-
-
-def _shared_document(q_docs: Tensor, k_docs: Tensor) -> list[tuple[int, int]]:
-    """Per row of a past block: (queries, keys) = the query prefix and key suffix of the one
-    document that has both, or (0, 0)."""
-    with unset_fake_temporarily():
-        q_docs, k_docs = q_docs.cpu(), k_docs.cpu()
-        common = k_docs[:, -1:]
-        queries = (q_docs == common).sum(1) * (q_docs[:, :1] == common).squeeze(1)
-        keys = (k_docs == common).sum(1) * (queries > 0)
-        return list(zip(queries.tolist(), keys.tolist()))
-
-
-def _varlen_seqlens(
-    segments: list[list[tuple[int, int]]], length: int, device
-) -> tuple[Tensor, int]:
-    """cu_seqlens over the batch packed row after row (one host-to-device copy of a few
-    integers), and the longest document."""
-    bounds = [row * length + start for row, spans in enumerate(segments) for start, _ in spans]
-    bounds.append(len(segments) * length)
-    longest = max(end - start for spans in segments for start, end in spans)
-    return torch.tensor(bounds, dtype=torch.int32, device=device), longest
-
-
-def _varlen_forward(q, k, v, scale, kernel, segments):
+def _varlen_forward(q, k, v, scale, kernel, docs):
     """Every document of a diagonal block in one varlen launch (flash-attn's, or aten's flash)."""
     batch, length, heads, _ = q.shape
-    cu, longest = _varlen_seqlens(segments, length, q.device)
+    cu, longest = varlen_seqlens(docs, q.device)
     flat = [t.flatten(0, 1) for t in (q, k, v)]
     if _uses_flash_attn(q, kernel):
         from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
@@ -306,15 +273,23 @@ def _varlen_forward(q, k, v, scale, kernel, segments):
     return out.view_as(q), lse.view(heads, batch, length).transpose(0, 1)
 
 
-def _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, segments):
-    cu, longest = _varlen_seqlens(segments, q.shape[1], q.device)
+def _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, docs):
+    cu, longest = varlen_seqlens(docs, q.device)
     flat = [t.flatten(0, 1) for t in (grad_out.contiguous(), q, k, v, out.contiguous())]
     flat_lse = lse.transpose(0, 1).flatten(1).contiguous()
     if not _uses_flash_attn(q, kernel):
         unused = torch.empty((), dtype=torch.uint64, device=q.device)
+        # The planner: the varlen kernel's workspace (its rows are the packed documents, as
+        # many as the dense block's) held through the call, as in ``_dense_backward``.
+        workspace = (
+            q.new_empty(cuda_backward_workspace_bytes(q, k, kernel), dtype=torch.uint8)
+            if is_fake(q)
+            else None
+        )
         grads = torch.ops.aten._flash_attention_backward(
             *flat, flat_lse, cu, cu, longest, longest, 0.0, True, unused, unused, scale=scale
         )
+        del workspace
         return tuple(g.view_as(t) for g, t in zip(grads, (q, k, v)))
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
@@ -349,9 +324,9 @@ def _document_forward(q, k, v, scale, kernel, causal, q_docs, k_docs):
     if kernel == "cudnn":
         raise ValueError(_CUDNN_DOCUMENTS)
     if causal:
-        segments = _segments(q_docs)
         if _has_varlen(q, kernel):
-            return _varlen_forward(q, k, v, scale, kernel, segments)
+            return _varlen_forward(q, k, v, scale, kernel, q_docs)
+        segments = document_segments(q_docs)
         out, lse = (
             torch.empty_like(q),
             q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32),
@@ -367,7 +342,7 @@ def _document_forward(q, k, v, scale, kernel, causal, q_docs, k_docs):
     lse = torch.full(
         (q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=torch.float32, device=q.device
     )
-    for row, (queries, keys) in enumerate(_shared_document(q_docs, k_docs)):
+    for row, (queries, keys) in enumerate(shared_document(q_docs, k_docs)):
         if queries:
             o, lse_part = _dense_forward(
                 q[row : row + 1, :queries],
@@ -385,9 +360,9 @@ def _document_backward(grad_out, q, k, v, out, lse, scale, kernel, causal, q_doc
     if kernel == "cudnn":
         raise ValueError(_CUDNN_DOCUMENTS)
     if causal:
-        segments = _segments(q_docs)
         if _has_varlen(q, kernel):
-            return _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, segments)
+            return _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, q_docs)
+        segments = document_segments(q_docs)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for row, spans in enumerate(segments):
             for start, end in spans:
@@ -399,7 +374,7 @@ def _document_backward(grad_out, q, k, v, out, lse, scale, kernel, causal, q_doc
                     target[row : row + 1, start:end] = grad
         return dq, dk, dv
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for row, (queries, keys) in enumerate(_shared_document(q_docs, k_docs)):
+    for row, (queries, keys) in enumerate(shared_document(q_docs, k_docs)):
         if queries:
             rows = slice(row, row + 1)
             grads = _dense_backward(

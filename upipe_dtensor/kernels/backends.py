@@ -64,6 +64,8 @@ AUTO_ORDER = {
 OTHER_GPUS_ORDER = ("flash", "sdpa")
 PLANNED_CAPABILITY = 9
 """The architecture a traced plan assumes (the planner's GPU profiles are Hopper's)."""
+PROBE_HEAD_DIM = 128
+"""head_dim of the probe when the caller knows no model (Llama3's)."""
 
 
 @dataclass(frozen=True)
@@ -106,25 +108,41 @@ def flash_attn_problem() -> str | None:
 
 
 _REGISTRY_MODULES = {
-    # impl: (module torch's registry imports, compute-capability majors, how to install)
+    # impl: (module torch's registry imports, its distribution (None: built from source),
+    #        compute-capability majors, how to install)
     "FA3": (
         "flash_attn_interface",
+        None,
         (9,),
         "build it from flash-attention's hopper/ folder (python setup.py install)",
     ),
-    "FA4": ("flash_attn.cute.interface", (9, 10), "pip install 'upipe-dtensor[fa4]'"),
+    "FA4": (
+        "flash_attn.cute.interface",
+        "flash-attn-4",
+        (9, 10),
+        "pip install 'upipe-dtensor[fa4]' in an environment without the [flash] extra (flash-attn "
+        "2.8.3 ships an older flash_attn/cute in the same folder)",
+    ),
 }
 
 
 @functools.cache
 def registry_impl_problem(impl: str) -> str | None:
-    """Why torch's registry cannot activate ``impl`` ("FA3", "FA4") here, or None."""
-    module, majors, install = _REGISTRY_MODULES[impl]
+    """Why torch's registry cannot activate ``impl`` ("FA3", "FA4") here, or None. FA4 must be
+    the ``flash-attn-4`` distribution: flash-attn 2.8.3's wheel also installs a
+    ``flash_attn/cute/interface.py``, an older one whose functions torch's FA4 wrapper cannot
+    call, and it imports just as well."""
+    module, distribution, majors, install = _REGISTRY_MODULES[impl]
     if not torch.cuda.is_available():
         return "no CUDA device"
     major = torch.cuda.get_device_capability()[0]
     if major not in majors:
         return f"{impl} runs on compute capability {' or '.join(map(str, majors))}.x, not {major}.x"
+    if distribution is not None:
+        try:
+            importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return f"the {distribution} package is not installed; {install}"
     try:
         importlib.import_module(module)
     except Exception as err:
@@ -157,6 +175,23 @@ def _install_problem(name: str) -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device"
 
 
+def probe_problem(name: str, head_dim: int, dtype: torch.dtype, documents: bool) -> str:
+    """Why ``name`` fails a tiny forward and backward on this GPU ("" when it runs right):
+    ``kernels.probe``, whose first call per shape takes milliseconds."""
+    from upipe_dtensor.kernels.probe import probe_problem as probe  # probe imports attention
+
+    return probe(name, head_dim, dtype, documents)
+
+
+def _runtime_problem(
+    name: str, head_dim: int | None, dtype: torch.dtype | None, documents: bool
+) -> str:
+    """Why ``name`` cannot run on this machine's GPU: not installed, or failing the probe."""
+    return _install_problem(name) or probe_problem(
+        name, head_dim or PROBE_HEAD_DIM, dtype or torch.bfloat16, documents
+    )
+
+
 def choose_backend(
     name: str,
     device_type: str,
@@ -170,8 +205,11 @@ def choose_backend(
     masks, ``head_dim`` and compute ``dtype`` (None: not checked). ``traced``: planning a GPU run
     on fake tensors, where every kernel is traced through aten's ops and nothing needs to be
     installed; ``auto`` then plans a Hopper GPU with its fastest kernel (``PLANNED_CAPABILITY``).
-    ValueError when a named CUDA backend cannot run here, or (``head_dim`` given) when the
-    backend that would run cannot run this head_dim and dtype (``check_kernel_limits``)."""
+    On a real GPU a backend is accepted once it is installed for this torch and architecture
+    and passes a tiny forward and backward with the job's head_dim, dtype and masks
+    (``kernels.probe``). ValueError when a named CUDA backend cannot run here, or (``head_dim``
+    given) when the backend that would run cannot run this head_dim and dtype
+    (``check_kernel_limits``)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if device_type != "cuda":
@@ -182,11 +220,11 @@ def choose_backend(
             )
         return Choice("sdpa", {})
     if name != "auto":
-        problem = None if traced else _install_problem(name)
-        if problem:
-            raise ValueError(f"attention backend {name!r}: {problem}; or use 'auto' or 'sdpa'")
         if head_dim is not None:
             check_kernel_limits(name, head_dim, dtype)
+        problem = None if traced else _runtime_problem(name, head_dim, dtype, documents)
+        if problem:
+            raise ValueError(f"attention backend {name!r}: {problem}; or use 'auto' or 'sdpa'")
         return Choice(name, {})
     major = PLANNED_CAPABILITY if traced else torch.cuda.get_device_capability()[0]
     skipped: dict[str, str] = {}
@@ -195,12 +233,14 @@ def choose_backend(
         if not problem and documents and candidate == "cudnn":
             problem = "no document masks"
         if not problem and not traced:
-            problem = _install_problem(candidate) or ""
+            problem = _runtime_problem(candidate, head_dim, dtype, documents)
         if not problem:
             return Choice(candidate, skipped)
         skipped[candidate] = problem
     if head_dim is not None:  # not even sdpa runs it: say which kernels could
         check_kernel_limits("sdpa", head_dim, dtype)
+    if "sdpa" in skipped:  # torch's own kernels fail here: nothing is left to fall back on
+        raise ValueError(f"no attention kernel runs here: {Choice('', skipped).describe()}")
     return Choice("sdpa", skipped)
 
 

@@ -13,7 +13,9 @@ next layer's (backward runs layers in reverse) prefetched while the current one 
 A first forward is told from a recompute by whether autograd's engine is running a backward
 (``torch._C._current_graph_task_id``, the test ``torch.utils.checkpoint`` itself makes): a forward
 outside backward keeps (replacing what an earlier forward of the layer kept but never used), a
-recompute takes the layer's entry and drops it. Forwards without grad (evaluation) keep nothing:
+recompute takes the layer's entry and drops it after the layer's last recompute (a block inside a
+checkpoint group runs twice in backward, in the group's recompute and in its own:
+``expect_recomputes``). Forwards without grad (evaluation) keep nothing:
 the style names no store for them (``parallel.style``; under ``torch.compile`` grad mode is
 guarded, so this holds in compiled blocks too). Results are exact: the kept tensors are what the
 recompute would compute again from the same input.
@@ -56,30 +58,49 @@ class KeptAttention:
             raise ValueError(f"keep_attention must be 'host' or 'device' to keep, got {where!r}")
         self.host = HostMemory(host_device) if where == "host" else None
         self.name = f"kept-attention-{next(KeptAttention._names)}"
-        self._entries: dict[str, tuple] = {}  # layer -> (out, lse) or their Parked, forward order
+        self._entries: dict[str, list] = {}  # layer -> [(out, lse) or their Parked, uses left]
+        self._recomputes: dict[str, int] = {}
         _NAMED[self.name] = self
 
     def key(self, layer: object) -> str:
         """The op's ``AttentionParams.keep`` value for ``layer`` (any object; its identity)."""
         return f"{self.name}/{id(layer)}"
 
+    def expect_recomputes(self, layer: object, count: int) -> None:
+        """``layer``'s forward runs ``count`` times in backward: a block inside a checkpoint
+        group (``memory.offload.CheckpointGroup``) runs in the group's recompute and again in
+        its own checkpoint's. Its kept attention serves each of them and is dropped after the
+        last; taken at the first, the block's own recompute would find nothing and recompute
+        the attention (the default is once)."""
+        self._recomputes[str(id(layer))] = count
+
     def keep(self, layer: str, out: Tensor, lse: Tensor) -> None:
         self._entries.pop(layer, None)  # an earlier forward's, never recomputed: re-inserted last
         if self.host is None:
-            self._entries[layer] = (out, lse)
+            kept = (out, lse)
         else:
             store = self.host.store(out.device)
-            self._entries[layer] = (store.park(out), store.park(lse))
+            kept = (store.park(out), store.park(lse))
+        self._entries[layer] = [kept, self._recomputes.get(layer, 1)]
 
     def take(self, layer: str) -> tuple[Tensor, Tensor] | None:
-        entry = self._entries.pop(layer, None)
-        if entry is None or self.host is None:
-            return entry
-        store = self.host.store(entry[0].device)
+        """The kept (out, lse) for one of the layer's recomputes; dropped after the last."""
+        entry = self._entries.get(layer)
+        if entry is None:
+            return None
+        kept, uses_left = entry
+        last = uses_left == 1
+        if last:
+            del self._entries[layer]
+        else:
+            entry[1] = uses_left - 1
+        if self.host is None:
+            return kept
+        store = self.host.store(kept[0].device)
         if self._entries:  # the layer recomputed next (the latest kept) starts coming back now
-            for parked in next(reversed(self._entries.values())):
+            for parked in next(reversed(self._entries.values()))[0]:
                 store.prefetch(parked)
-        return tuple(store.retrieve(parked, release=True) for parked in entry)
+        return tuple(store.retrieve(parked, release=last) for parked in kept)
 
     def forward(
         self, layer: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]

@@ -108,6 +108,10 @@ class Llama3(Transformer):
     checkpoint_groups: list = []
     """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order
     by ``forward``; empty: the blocks run one by one (each may checkpoint itself)."""
+    shard_rope: Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None = None
+    """The CP style's ``shard_rope`` (set by the parallelize step): ``forward`` computes this
+    rank's RoPE table once, from ``freqs_cis`` and the positions, and every block (and its
+    recompute) reads that one table. None: each block derives it from ``freqs_cis``."""
 
     def forward(
         self,
@@ -126,18 +130,17 @@ class Llama3(Transformer):
         materialises the (tokens, vocab) logits.
         """
         h = self.tok_embeddings(tokens)
+        rope = self.freqs_cis
+        if self.shard_rope is not None:  # once per forward, not per block (nor per recompute)
+            rope, positions = self.shard_rope(self.freqs_cis, tokens.shape[1], positions), None
         if self.checkpoint_groups:
             for group in self.checkpoint_groups:
                 h = group(
-                    self.layers,
-                    h,
-                    self.freqs_cis,
-                    attention_masks=attention_masks,
-                    positions=positions,
+                    self.layers, h, rope, attention_masks=attention_masks, positions=positions
                 )
         else:
             for layer in self.layers.values():
-                h = layer(h, self.freqs_cis, attention_masks=attention_masks, positions=positions)
+                h = layer(h, rope, attention_masks=attention_masks, positions=positions)
         h = self.norm(h)
         if labels is None:
             return self.output(h)

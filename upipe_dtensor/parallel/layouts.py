@@ -1,6 +1,7 @@
 """Sequence layouts: which global token indices each context-parallel rank holds, in what order.
 
-A CP style's ``shard_positions(seq_len, cp_rank, cp_size)`` returns one of these. Everything that
+A CP style's ``shard_positions(seq_len, cp_rank, cp_size)`` returns one of these (in host memory,
+or built on ``device`` where a step needs them there: no host-to-device copy). Everything that
 splits or reassembles a sequence (the trainer, the loss, ``evaluate``, the planner, the tests)
 indexes the sequence dimension with it, and a style called with ``positions=None`` takes its RoPE
 positions from it, so the layout and the attention algorithm cannot disagree.
@@ -42,11 +43,11 @@ def split_lengths(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def contiguous_positions(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+def contiguous_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> Tensor:
     """Rank r holds ``[r*S/C, (r+1)*S/C)``: the Ulysses / UPipe layout."""
     _check_rank(cp_rank, cp_size)
     local = _check_divisible(seq_len, cp_size, "contiguous")
-    return torch.arange(cp_rank * local, (cp_rank + 1) * local)
+    return torch.arange(cp_rank * local, (cp_rank + 1) * local, device=device)
 
 
 def ring_halves(seq_len: int, ring_size: int) -> tuple[int, int]:
@@ -55,16 +56,23 @@ def ring_halves(seq_len: int, ring_size: int) -> tuple[int, int]:
     return first, second
 
 
-def ring_positions(seq_len: int, ring_rank: int, ring_size: int) -> Tensor:
+def ring_positions(seq_len: int, ring_rank: int, ring_size: int, device=None) -> Tensor:
     """Ring rank p's tokens in order: chunk p, then chunk 2R-1-p (the zigzag pairing)."""
     _check_rank(ring_rank, ring_size)
     first, second = ring_halves(seq_len, ring_size)
     early = ring_rank * first
     late = ring_size * first + (ring_size - 1 - ring_rank) * second
-    return torch.cat([torch.arange(early, early + first), torch.arange(late, late + second)])
+    return torch.cat(
+        [
+            torch.arange(early, early + first, device=device),
+            torch.arange(late, late + second, device=device),
+        ]
+    )
 
 
-def two_d_positions(seq_len: int, cp_rank: int, cp_size: int, ring_size: int) -> Tensor:
+def two_d_positions(
+    seq_len: int, cp_rank: int, cp_size: int, ring_size: int, device=None
+) -> Tensor:
     """Rank ``cp_rank = ring_rank * (C/R) + head_rank``: its contiguous slice of the ring rank's
     zigzag tokens. ``ring_size = C`` is pure ring attention, ``ring_size = 1`` contiguous."""
     _check_rank(cp_rank, cp_size)
@@ -73,7 +81,7 @@ def two_d_positions(seq_len: int, cp_rank: int, cp_size: int, ring_size: int) ->
     heads = cp_size // ring_size
     _check_divisible(seq_len, cp_size, f"{ring_size} x {heads} (ring x heads)")
     ring_rank, head_rank = divmod(cp_rank, heads)
-    tokens = ring_positions(seq_len, ring_rank, ring_size)
+    tokens = ring_positions(seq_len, ring_rank, ring_size, device)
     local = seq_len // cp_size
     return tokens[head_rank * local : (head_rank + 1) * local]
 
@@ -89,7 +97,7 @@ def chunk_count(seq_len: int, cp_size: int, chunk_tokens: int) -> int:
     return min(local, -(-seq_len // chunk_tokens))
 
 
-def chunked_positions(seq_len: int, cp_rank: int, cp_size: int, chunks: int) -> Tensor:
+def chunked_positions(seq_len: int, cp_rank: int, cp_size: int, chunks: int, device=None) -> Tensor:
     """Rank r's local chunk i is global piece i*C + r (pieces of chunk i have equal length)."""
     _check_rank(cp_rank, cp_size)
     local = _check_divisible(seq_len, cp_size, "chunked")
@@ -98,6 +106,6 @@ def chunked_positions(seq_len: int, cp_rank: int, cp_size: int, chunks: int) -> 
     pieces, start = [], 0
     for length in split_lengths(local, chunks):
         first = start + cp_rank * length
-        pieces.append(torch.arange(first, first + length))
+        pieces.append(torch.arange(first, first + length, device=device))
         start += cp_size * length
     return torch.cat(pieces)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from upipe_dtensor.kernels.merge import accumulator
 from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
+from upipe_dtensor.memory.host_store import to_device
 from upipe_dtensor.parallel.all_to_all import (
     Exchange,
     _group,
@@ -34,9 +35,10 @@ wq, wk and wv) and the two sums of them (autograd adds the gradients of x's thre
 
 @functools.cache
 def _head_index(heads: tuple[int, ...], device: torch.device) -> Tensor:
-    """A stage's head indices on ``device``, built once: a fresh host-to-GPU copy per stage
-    would stall the CPU until the stream catches up."""
-    return torch.tensor(heads, device=device)
+    """A stage's head indices on ``device``, built once and sent without the host waiting
+    (``host_store.to_device``): a blocking host-to-GPU copy stalls the CPU until the stream
+    catches up."""
+    return to_device(torch.tensor(heads), device)
 
 
 def forget_head_indices() -> None:

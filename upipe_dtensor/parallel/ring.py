@@ -90,8 +90,8 @@ class _Blocks:
     def docs(self, owner: int) -> Tensor | None:
         if self.doc_ids is None:
             return None
-        positions = ring_positions(self.seq_len, owner, self.ring.size)
-        return self.doc_ids.index_select(1, positions.to(self.doc_ids.device))
+        positions = ring_positions(self.seq_len, owner, self.ring.size, self.doc_ids.device)
+        return self.doc_ids.index_select(1, positions)
 
     def spans(self, owner: int) -> tuple[slice, slice, bool]:
         """(query rows, key rows, causal) of the block owned by ``owner``."""

@@ -85,11 +85,31 @@ class ContextParallelAttention(ParallelStyle):
         self.kernel_device = kernel_device
         """The device type the kernels are chosen for (None: the tensors' own device). The trainer
         passes its device; the memory planner "cuda", tracing the CUDA kernels on fake tensors."""
+        self.applied_axes: _Axes | None = None
+        """This rank's axes, once the style is applied to a mesh."""
 
-    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+    def shard_positions(
+        self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
+    ) -> Tensor:
         """The global token indices rank ``cp_rank`` of the ``cp_size`` CP ranks feeds, in module
-        order."""
+        order (on ``device``; None: in host memory)."""
         raise NotImplementedError
+
+    def shard_rope(
+        self, freqs_cis: Tensor, local_len: int, positions: Tensor | None = None
+    ) -> Tensor:
+        """The RoPE table (``kernels.rope.rope_table``) of this rank's shard of ``local_len``
+        tokens, on ``freqs_cis``'s device: at the layout's global positions, or at the given
+        (1, S/C) or (B, S/C) ``positions``. Our ``Llama3`` computes it once per forward and passes
+        it to every layer in place of ``freqs_cis``: no per-layer positions or float64 angles,
+        and no host copy (the positions are built on the device). Call after
+        ``parallelize_module``, which tells the style its rank."""
+        if self.applied_axes is None:
+            raise ValueError(
+                f"{type(self).__name__}.shard_rope: the style knows its rank once applied to its "
+                "mesh; call it after parallelize_module"
+            )
+        return _shard_rope(self, self.applied_axes, freqs_cis, local_len, positions)
 
     def _axes(self, mesh: DeviceMesh) -> _Axes:
         """A 1-D mesh is the head (all-to-all) axis."""
@@ -141,6 +161,7 @@ class ContextParallelAttention(ParallelStyle):
             self._stage_heads(module.n_heads, axes.head_degree),
         )
         module.forward = functools.partial(_cp_attention_forward, module, self, axes)
+        self.applied_axes = axes
         return module
 
 
@@ -237,13 +258,15 @@ class UPipeAttention(ContextParallelAttention):
         self.chunk_tokens = chunk_tokens
         self.host = HostMemory(host_device)
 
-    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+    def shard_positions(
+        self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
+    ) -> Tensor:
         """Contiguous ``[r*S/C, (r+1)*S/C)`` on a 1-D mesh; on a 2-D mesh, rank
         ``ring_rank * (C/R) + head_rank`` holds its slice of the ring rank's zigzag tokens; with
         sequence chunks, rank r's chunk i is global piece i*C + r (FPDT's Figure 6)."""
         if self.chunk_tokens is not None:
             chunks = chunk_count(seq_len, cp_size, self.chunk_tokens)
-            return chunked_positions(seq_len, cp_rank, cp_size, chunks)
+            return chunked_positions(seq_len, cp_rank, cp_size, chunks, device)
         if self.ring_degree is None:
             raise ValueError(
                 f"{type(self).__name__}.shard_positions: the layout depends on the ring degree, "
@@ -251,8 +274,8 @@ class UPipeAttention(ContextParallelAttention):
                 "parallelize_module, or construct the style with ring_degree=R (1 for a 1-D mesh)"
             )
         if self.ring_degree == 1:
-            return contiguous_positions(seq_len, cp_rank, cp_size)
-        return two_d_positions(seq_len, cp_rank, cp_size, self.ring_degree)
+            return contiguous_positions(seq_len, cp_rank, cp_size, device)
+        return two_d_positions(seq_len, cp_rank, cp_size, self.ring_degree, device)
 
     def _stage_heads(self, n_heads: int, head_degree: int) -> int:
         return head_degree if self.heads_per_stage is None else self.heads_per_stage
@@ -351,9 +374,11 @@ class RingAttention(ContextParallelAttention):
         keep_attention: attention kept for the recompute, as for ``UPipeAttention``.
     """
 
-    def shard_positions(self, seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+    def shard_positions(
+        self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
+    ) -> Tensor:
         """Rank r holds chunks r and 2C-1-r of 2C (the zigzag pairing)."""
-        return two_d_positions(seq_len, cp_rank, cp_size, cp_size)
+        return two_d_positions(seq_len, cp_rank, cp_size, cp_size, device)
 
     def _axes(self, mesh: DeviceMesh) -> _Axes:
         """The 1-D mesh is the ring; there is no head axis."""
@@ -444,11 +469,42 @@ def _cp_attention_forward(
     attention_masks: Tensor | None = None,
     positions: Tensor | None = None,
 ) -> Tensor:
-    """Drop-in for torchtitan ``Attention.forward`` on a sequence shard."""
+    """Drop-in for torchtitan ``Attention.forward`` on a sequence shard. ``freqs_cis`` is the
+    model's RoPE frequencies (ours, float64) or position table (torchtitan's, complex), or this
+    shard's RoPE table computed once for the whole forward (``shard_rope``, what our ``Llama3``
+    passes)."""
     local_len = x.shape[1]
-    seq_len = local_len * axes.cp_degree
     if attention_masks is not None:
-        _check_document_ids(attention_masks, x.shape[0], seq_len)
+        _check_document_ids(attention_masks, x.shape[0], local_len * axes.cp_degree)
+    if is_rope_table(freqs_cis):
+        if freqs_cis.shape[-3] != local_len or positions is not None:
+            raise ValueError(
+                f"a RoPE table passed for {freqs_cis.shape[-3]} tokens with positions "
+                f"{None if positions is None else tuple(positions.shape)} does not fit this "
+                f"rank's {local_len} tokens; pass the table of this shard alone (shard_rope)"
+            )
+        rope = freqs_cis
+    else:
+        rope = _shard_rope(style, axes, freqs_cis, local_len, positions)
+    return style._attend(module, axes, x, rope, attention_masks)
+
+
+def is_rope_table(freqs_cis: Tensor) -> bool:
+    """A shard's real (S, d/2, 2) or (B, S, d/2, 2) float32 RoPE table (``rope_table``), as
+    opposed to frequencies (1-D float64) or torchtitan's complex position table."""
+    return (
+        freqs_cis.dtype == torch.float32 and freqs_cis.dim() in (3, 4) and freqs_cis.shape[-1] == 2
+    )
+
+
+def _shard_rope(
+    style: ContextParallelAttention,
+    axes: _Axes,
+    freqs_cis: Tensor,
+    local_len: int,
+    positions: Tensor | None,
+) -> Tensor:
+    seq_len = local_len * axes.cp_degree
     if positions is None:
         if freqs_cis.is_complex() and seq_len > freqs_cis.shape[0]:  # a torchtitan position table
             raise ValueError(
@@ -456,7 +512,9 @@ def _cp_attention_forward(
                 f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "
                 f"model with max_seq_len >= {seq_len}"
             )
-        positions = style.shard_positions(seq_len, axes.cp_rank, axes.cp_degree).to(x.device)
+        positions = style.shard_positions(
+            seq_len, axes.cp_rank, axes.cp_degree, device=freqs_cis.device
+        )
     elif positions.shape[-1] != local_len or positions.dim() != 2:
         raise ValueError(
             f"positions must be (1, {local_len}) or (B, {local_len}) global indices of this "
@@ -464,7 +522,7 @@ def _cp_attention_forward(
         )
     elif positions.shape[0] == 1:
         positions = positions[0]
-    return style._attend(module, axes, x, rope_table(freqs_cis, positions), attention_masks)
+    return rope_table(freqs_cis, positions)
 
 
 def _check_document_ids(doc_ids: object, batch: int, seq_len: int) -> None:

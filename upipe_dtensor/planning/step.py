@@ -12,10 +12,16 @@ modelled by moving the sharded float32 parameters, gradients and optimizer state
 to the host. What a CUDA run holds outside the step's tensors (CUDA context, NCCL buffers, cuBLAS
 workspaces, allocator fragmentation) is added as documented allowances (``CudaAllowances``), and
 flash-attn's backward workspace is allocated in the fake step where the kernel would allocate it.
+
+A GPU plan also rehearses the CUDA job on the same step (``planning.rehearsal``): the
+process-group backend it initialises (``runtime.process_group``, the trainer's own choice), every
+collective by kind and by the device type of its tensors (a collective on a device type that
+backend does not serve refuses the plan), and the host syncs of one step with their call sites.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -25,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from upipe_dtensor.config import JobConfig, check_job
+from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
 from upipe_dtensor.jobs.build import Placement
 from upipe_dtensor.jobs.parallelize import build_meshes, describe_cp_style
@@ -33,9 +39,15 @@ from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.parallel.projections import forget_head_indices
 from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
+from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
 from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
 from upipe_dtensor.planning.step_work import StepWorkCounter
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker
+from upipe_dtensor.runtime.process_group import (
+    backend_device_types,
+    holds_host_tensors,
+    process_group_backend,
+)
 
 GiB = 2**30
 DEVICE, HOST = torch.device("cpu"), torch.device("meta")  # fake stand-ins for GPU and host RAM
@@ -143,6 +155,16 @@ class Plan:
     """The predicted step time on the plan's hardware profile (None: no profile given)."""
     host_holds: str = "activation offload"
     """What the host memory holds, in words (FSDP CPU offload only when it is on)."""
+    process_group_backend: str = ""
+    """What a job of this config on the traced device passes to ``init_process_group``
+    (``runtime.process_group``, the trainer's own choice)."""
+    host_syncs_per_step: int | None = None
+    """Host-device synchronisations of one step of the CUDA job (``planning.rehearsal``; None
+    for a CPU plan, where host and device are one)."""
+    host_syncs: list[dict] = field(default_factory=list)
+    """Each kind of sync with its call site and count per step."""
+    collectives: dict[str, int] = field(default_factory=dict)
+    """Calls per step by kind and by the device type of their tensors, "all_reduce on cpu"."""
 
     @property
     def fits_device(self) -> bool:
@@ -249,9 +271,25 @@ class Plan:
                 else []
             ),
             f"  fits: {'yes' if self.fits else f'NO ({self.exceeds})'}",
+            *self._render_rehearsal(),
             *(self.speed.render() if self.speed else []),
         ]
         return "\n".join(lines)
+
+    def _render_rehearsal(self) -> list[str]:
+        """The process group, the collectives and the host syncs of one step."""
+        collectives = ", ".join(f"{kind} {n:,}" for kind, n in self.collectives.items())
+        lines = [
+            f"  process group        : {self.process_group_backend}"
+            + (f" ({collectives})" if collectives else "")
+        ]
+        if self.host_syncs_per_step is not None:
+            lines.append(f"  host syncs per step  : {self.host_syncs_per_step}")
+            lines += [
+                f"    {row['count']:>6,} x {row['what']} at {row['site']}"
+                for row in self.host_syncs
+            ]
+        return lines
 
 
 def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
@@ -316,23 +354,56 @@ def tracked_step(
     tracker: LiveMemoryTracker,
     config: JobConfig,
     counter: StepWorkCounter | None = None,
+    rehearsal: GpuRehearsal | None = None,
 ) -> None:
     """The measured step, the same for a plan and for a real run: the optimizer state is set up
     first (AdamW creates it lazily; one step on zero gradients), then one training step on a
-    batch of token ids is tracked from its start (and its work counted by ``counter`` up to the
-    optimizer step, which the time model charges per parameter)."""
+    batch of token ids is tracked from its start (and its work counted by ``counter``, and
+    rehearsed as a CUDA job's by ``rehearsal``, up to the optimizer step, which the time model
+    charges per parameter)."""
     _watch_progress(trainer, tracker)
     for param in trainer.model.parameters():
         param.grad = torch.zeros_like(param)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     tracker.start_step()
-    if counter is not None:
-        counter.counting = True
-        trainer.optimizer.register_step_pre_hook(lambda *_: setattr(counter, "counting", False))
+    watchers = [w for w in (counter, rehearsal) if w is not None]
+    for watcher in watchers:
+        watcher.counting = True
+
+    def stop_counting(*_) -> None:
+        for watcher in watchers:
+            watcher.counting = False
+
+    trainer.optimizer.register_step_pre_hook(stop_counting)
     training = config.training
-    tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
-    trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
+    step = contextlib.nullcontext()
+    if rehearsal is not None:
+        if config.training.enable_cpu_offload:
+            rehearsal.hold_offloaded_state(trainer.model)
+        step = rehearsal.step()
+    with step:  # the loader's batch: host memory, as on a GPU job
+        tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
+        trainer.train_step([(tokens, tokens)] * training.gradient_accumulation_steps)
+
+
+def refuse_missing_backends(report: RehearsalReport, backend: str, device_type: str) -> None:
+    """ConfigError when a collective of the rehearsed step runs on tensors of a device type
+    ``backend`` (the job's ``init_process_group`` string) has no backend for: the job would stop
+    there with "No backend type associated with device type ..."."""
+    covered = backend_device_types(backend)
+    missing = [(kind, device) for kind, device in report.collectives if device not in covered]
+    if missing:
+        kind, device = missing[0]
+        site = report.collective_sites[(kind, device)]
+        raise ConfigError(
+            f"a {device_type} job of this config runs {kind} on {device} tensors ({site}), but "
+            f"its process group is initialised with {backend!r}, which has no {device} backend: "
+            f"it would stop there with 'No backend type associated with device type {device}'. "
+            f"process_group_backend (upipe_dtensor/runtime/process_group.py) must give {device} "
+            "tensors a backend for this config, or the config must keep them off the host "
+            "([training] enable_cpu_offload = false)"
+        )
 
 
 def plan_job(
@@ -378,7 +449,15 @@ def plan_job(
         meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
         tracker = LiveMemoryTracker()
         counter = StepWorkCounter(DEVICE, host, budget.gpus_per_node)
-        with FakeTensorMode(allow_non_fake_inputs=True), transparent_ops(), tracker, counter:
+        rehearsal = GpuRehearsal(DEVICE, host, target) if target == "cuda" else None
+        watch = rehearsal.ops() if rehearsal is not None else contextlib.nullcontext()
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            watch,
+            transparent_ops(),
+            tracker,
+            counter,
+        ):
             placement = Placement(
                 meshes=meshes,
                 device=DEVICE,
@@ -387,7 +466,7 @@ def plan_job(
                 kernel_device=target,
             )
             trainer = Trainer(config, placement=placement)
-            tracked_step(trainer, tracker, config, counter)
+            tracked_step(trainer, tracker, config, counter, rehearsal)
         peak = tracker.peaks[str(DEVICE)]
         breakdown = {label: nbytes for label, nbytes in peak.by_label.items() if nbytes > 0}
         device_peak = peak.bytes
@@ -406,6 +485,9 @@ def plan_job(
     finally:
         forget_head_indices()
         dist.destroy_process_group()
+    backend = process_group_backend(target, holds_host_tensors(config))
+    report = rehearsal.report if rehearsal is not None else RehearsalReport()
+    refuse_missing_backends(report, backend, target)
     ranks_per_node = min(world_size, budget.gpus_per_node)
     n_heads = trainer.model.model_args.n_heads
     profile = profile or (GPU_PROFILES[budget.gpu] if target == "cuda" else None)
@@ -431,6 +513,10 @@ def plan_job(
         speed=speed,
         host_holds="activation offload"
         + (", FSDP CPU offload" if config.training.enable_cpu_offload else ""),
+        process_group_backend=backend,
+        host_syncs_per_step=report.host_syncs_per_step if rehearsal is not None else None,
+        host_syncs=report.sync_rows(),
+        collectives=report.collective_counts(),
     )
 
 

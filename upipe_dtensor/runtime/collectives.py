@@ -40,20 +40,30 @@ def _alone() -> bool:
     return dist.get_backend() == "fake"
 
 
+def outcome_on_every_rank(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """Run ``fn`` on every rank: (its result, None) where it succeeded on every rank, else
+    (None, the lowest failing rank's exception) on every rank, for a caller that reports the
+    failure and goes on (``gpu_check``'s rows)."""
+    try:
+        result, failure = fn(), None
+    except Exception as err:  # agreed on below
+        result, failure = None, _picklable(err)
+    if _alone():
+        return result, failure
+    failures: list[Exception | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f is not None), None)
+    return (None, first) if first is not None else (result, None)
+
+
 def on_every_rank(fn: Callable[[], T]) -> T:
     """Run ``fn`` on every rank; if it fails anywhere, every rank raises the lowest failing rank's
     exception (so rank 0, which prints job messages, reports a failure seen only by rank 3)."""
     if _alone():
         return fn()
-    try:
-        result, failure = fn(), None
-    except Exception as err:  # re-raised below, on every rank
-        result, failure = None, _picklable(err)
-    failures: list[Exception | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    first = next((f for f in failures if f is not None), None)
-    if first is not None:
-        raise first
+    result, failure = outcome_on_every_rank(fn)
+    if failure is not None:
+        raise failure
     return result  # type: ignore[return-value]
 
 

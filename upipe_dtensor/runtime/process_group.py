@@ -1,0 +1,43 @@
+"""The process-group backend a job initialises: one backend per device type its collectives use.
+
+NCCL runs collectives on CUDA tensors only. A CUDA job whose collectives also meet host tensors
+(FSDP2 CPU offload keeps the sharded parameters, gradients and optimizer state on the host, so
+the gradient-norm all-reduce of ``clip_grad_norm_`` and the re-sharding of Hugging Face loads and
+exports run on CPU tensors) needs a CPU backend beside it: ``"cuda:nccl,cpu:gloo"``, as
+torchtitan's ``init_distributed`` sets up in the same case. With NCCL alone such a collective
+raises "No backend type associated with device type cpu" at the first step.
+
+The trainer (``jobs.build``), ``gpu_check`` and the planner all take the string from
+``process_group_backend``; the planner checks every collective of the traced step against it
+(``planning.rehearsal``), so a host collective without a CPU backend is refused in the plan.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from upipe_dtensor.config.schema import JobConfig
+
+
+def holds_host_tensors(config: JobConfig) -> bool:
+    """Whether a job of ``config`` keeps tensors that collectives meet in host memory (FSDP2 CPU
+    offload: the sharded parameters, their gradients and the optimizer state)."""
+    return config.training.enable_cpu_offload
+
+
+def process_group_backend(device_type: str, host_tensors: bool) -> str:
+    """The ``init_process_group`` backend of a job on ``device_type`` devices: gloo on CPU;
+    NCCL on CUDA, with gloo for CPU tensors when the job holds ``host_tensors``."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_tensors else "nccl"
+
+
+def backend_device_types(backend: str) -> dict[str, str]:
+    """Device type -> backend of a backend string: "cuda:nccl,cpu:gloo" names each; a single
+    backend covers the device types torch lists for it (``Backend.backend_capability``: nccl
+    cuda only, gloo cpu and cuda)."""
+    if ":" in backend:
+        pairs = (part.split(":", 1) for part in backend.split(","))
+        return {device.strip(): name.strip() for device, name in pairs}
+    return {device: backend for device in dist.Backend.backend_capability.get(backend, [])}
