@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
@@ -164,6 +165,8 @@ def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallel
 
 def apply_compile(model: nn.Module, config: JobConfig) -> None:
     """Compile each block in place (keeps parameter names, so checkpoints do not change)."""
+    if config.compile.backend == "inductor":
+        register_inductor_fallbacks()
     for block in model.layers.values():
         block.compile(fullgraph=True, backend=config.compile.backend)
 

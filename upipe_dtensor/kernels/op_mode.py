@@ -21,12 +21,24 @@ _transparent = False
 
 @dataclass(frozen=True)
 class OpSpec:
-    """A custom op, the Python body it runs, and (for forward ops) its autograd pieces."""
+    """A custom op, the Python body it runs, and (for forward ops) its autograd pieces. Every
+    spec is registered (``project_ops``): compiled graphs call the ops by name."""
 
     op: Callable[..., Any]
     body: Callable[..., Any]
     setup_context: Callable[..., None] | None = None
     backward: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        _SPECS[self.op._opoverload] = self
+
+
+_SPECS: dict[torch._ops.OpOverload, OpSpec] = {}
+
+
+def project_ops() -> dict[torch._ops.OpOverload, OpSpec]:
+    """Every registered op (``torch.ops.upipe.*``), by the overload a compiled graph calls."""
+    return dict(_SPECS)
 
 
 @contextlib.contextmanager

@@ -56,14 +56,10 @@ class KeptAttention:
             raise ValueError(f"keep_attention must be 'host' or 'device' to keep, got {where!r}")
         self.host = HostMemory(host_device) if where == "host" else None
         self.name = f"kept-attention-{next(KeptAttention._names)}"
-        self._entries: dict[str, tuple] = {}  # layer -> (out, lse) or their Parked, forward order
+        self._entries: dict[int, tuple] = {}  # layer -> (out, lse) or their Parked, forward order
         _NAMED[self.name] = self
 
-    def key(self, layer: object) -> str:
-        """The op's ``AttentionParams.keep`` value for ``layer`` (any object; its identity)."""
-        return f"{self.name}/{id(layer)}"
-
-    def keep(self, layer: str, out: Tensor, lse: Tensor) -> None:
+    def keep(self, layer: int, out: Tensor, lse: Tensor) -> None:
         self._entries.pop(layer, None)  # an earlier forward's, never recomputed: re-inserted last
         if self.host is None:
             self._entries[layer] = (out, lse)
@@ -71,7 +67,7 @@ class KeptAttention:
             store = self.host.store(out.device)
             self._entries[layer] = (store.park(out), store.park(lse))
 
-    def take(self, layer: str) -> tuple[Tensor, Tensor] | None:
+    def take(self, layer: int) -> tuple[Tensor, Tensor] | None:
         entry = self._entries.pop(layer, None)
         if entry is None or self.host is None:
             return entry
@@ -82,9 +78,15 @@ class KeptAttention:
         return tuple(store.retrieve(parked, release=True) for parked in entry)
 
     def forward(
-        self, layer: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
+        self, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """An attention op's (y, out, lse): kept ones in a recompute, else ``run()``, kept."""
+        """An attention op's (y, out, lse): kept ones in a recompute, else ``run()``, kept.
+
+        The layer is told by its ``wo`` weight, the same tensor object in the forward and in its
+        recompute (FSDP2 regathers into the same unsharded parameter), not by a name in the op's
+        arguments: those are constants of a compiled graph, and one per layer would compile every
+        block again."""
+        layer = id(wo)
         if in_backward():
             kept = self.take(layer)
             if kept is not None:
@@ -99,12 +101,11 @@ class KeptAttention:
 def kept_forward(
     keep: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``KeptAttention.forward`` of the store and layer named by ``keep`` ("store/layer", from
-    ``KeptAttention.key``); just ``run()`` when ``keep`` is empty."""
+    """``KeptAttention.forward`` of the store named by ``keep`` (``KeptAttention.name``); just
+    ``run()`` when ``keep`` is empty."""
     if not keep:
         return run()
-    name, layer = keep.rsplit("/", 1)
-    kept = _NAMED.get(name)
+    kept = _NAMED.get(keep)
     if kept is None:
-        raise ValueError(f"no kept attention named {name!r}: the style that owned it is gone")
-    return kept.forward(layer, wo, run)
+        raise ValueError(f"no kept attention named {keep!r}: the style that owned it is gone")
+    return kept.forward(wo, run)
