@@ -164,11 +164,17 @@ def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallel
 
 
 def apply_compile(model: nn.Module, config: JobConfig) -> None:
-    """Compile each block in place (keeps parameter names, so checkpoints do not change)."""
+    """Compile each block in place (keeps parameter names, so checkpoints do not change).
+
+    Every block shares one compiled graph (per distinct block: kept attention or not): the
+    blocks' forwards are classes, not per-block patched functions, so dynamo guards pass for
+    each block after the first (``memory.tiled_mlp.TiledFeedForward``). Shapes are static
+    (``dynamic=False``): a training job has one, and the styles' layout arithmetic is plain
+    Python on the sequence length."""
     if config.compile.backend == "inductor":
         register_inductor_fallbacks()
     for block in model.layers.values():
-        block.compile(fullgraph=True, backend=config.compile.backend)
+        block.compile(fullgraph=True, dynamic=False, backend=config.compile.backend)
 
 
 def apply_fsdp(

@@ -65,8 +65,10 @@ class _Transparent(torch.autograd.Function):
 
 
 def call(spec: OpSpec, *args):
-    """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd)."""
-    if not _transparent:
+    """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd).
+    While ``torch.compile`` traces, always the op: a compiled graph calls it, and a planned
+    compiled graph runs its body (``planning.compiled``)."""
+    if not _transparent or torch.compiler.is_compiling():
         return spec.op(*args)
     if spec.backward is None:  # a backward op: already running inside autograd's backward
         return spec.body(*args)
