@@ -177,6 +177,20 @@ def apply_compile(model: nn.Module, config: JobConfig) -> None:
         block.compile(fullgraph=True, dynamic=False, backend=config.compile.backend)
 
 
+def compile_report(backend: str) -> str:
+    """What compiling cost this process so far, for the log after the first step: dynamo's graphs
+    (one per distinct block; the others reuse it) and the wall time of compiling them, forward
+    and backward (dynamo's own accounting, ``torch._dynamo.utils``)."""
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    seconds = calculate_time_spent().get("total_wall_time", 0.0)
+    return (
+        f"compiled {graphs} block graph{'s' * (graphs != 1)} ({backend}, forward and backward) "
+        f"in {seconds:.1f} s; every block runs one of them"
+    )
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,

@@ -50,7 +50,12 @@ from upipe_dtensor.jobs.build import (
     load_initial_weights,
     set_up_job,
 )
-from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, describe_cp_style
+from upipe_dtensor.jobs.parallelize import (
+    DTYPES,
+    ParallelMeshes,
+    compile_report,
+    describe_cp_style,
+)
 from upipe_dtensor.models import flops_per_token
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
 from upipe_dtensor.runtime.collectives import gather_dicts, on_every_rank, on_rank0
@@ -332,6 +337,8 @@ class Trainer:
                 ]  # this step's rate (the scheduler moves on)
                 loss, grad_norm = (t.item() for t in self.train_step(microbatches))
                 losses.append(loss)
+                if step == start + 1 and self.config.compile.enable and dist.get_rank() == 0:
+                    print(compile_report(self.config.compile.backend), flush=True)
                 self.metrics.log(
                     step,
                     loss=loss,

@@ -68,7 +68,7 @@ def call(spec: OpSpec, *args):
     """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd).
     While ``torch.compile`` traces, always the op: a compiled graph calls it, and a planned
     compiled graph runs its body (``planning.compiled``)."""
-    if not _transparent or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _transparent:  # compiling first: no guard on it
         return spec.op(*args)
     if spec.backward is None:  # a backward op: already running inside autograd's backward
         return spec.body(*args)
