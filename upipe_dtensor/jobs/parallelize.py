@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.kernels.fused import use_backend as use_fused_backend
 from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
@@ -179,15 +180,15 @@ def apply_compile(model: nn.Module, config: JobConfig) -> None:
 
 def compile_report(backend: str) -> str:
     """What compiling cost this process so far, for the log after the first step: dynamo's graphs
-    (one per distinct block; the others reuse it) and the wall time of compiling them, forward
-    and backward (dynamo's own accounting, ``torch._dynamo.utils``)."""
+    (one per distinct block, which every such block runs, and the tiled ops' fused kernels) and
+    the wall time of compiling them, forward and backward (dynamo's own accounting)."""
     from torch._dynamo.utils import calculate_time_spent, counters
 
     graphs = counters["stats"]["unique_graphs"]
     seconds = calculate_time_spent().get("total_wall_time", 0.0)
     return (
-        f"compiled {graphs} block graph{'s' * (graphs != 1)} ({backend}, forward and backward) "
-        f"in {seconds:.1f} s; every block runs one of them"
+        f"compiled {graphs} graph{'s' * (graphs != 1)} ({backend}: blocks and tile kernels, "
+        f"forward and backward) in {seconds:.1f} s"
     )
 
 
@@ -238,7 +239,9 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
         apply_tiled_rms_norm(model, config.memory.norm_tile_tokens)
     if config.memory.chunked_loss:
         model.loss_chunk_tokens = config.memory.loss_chunk_tokens
-    if config.compile.enable:
+    compiled = config.compile
+    use_fused_backend(compiled.backend if compiled.enable and compiled.fuse_tiles else None)
+    if compiled.enable:
         apply_compile(model, config)
     ac = config.activation_checkpoint
     offload = (

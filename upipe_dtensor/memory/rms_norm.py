@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.kernels.tiling import tile_starts
 
@@ -30,12 +31,17 @@ def rms_norm_forward(
     out_flat = out.view(flat.shape)
     rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
     for start in tile_starts(flat, flat.shape[0], tile_tokens):
-        tile = flat[start : start + tile_tokens].float()
-        torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps, out=rstd[start : start + tile_tokens])
-        out_flat[start : start + tile_tokens] = (
-            tile * rstd[start : start + tile_tokens] * weight.float()
-        )
+        rows = slice(start, start + tile_tokens)
+        _normalize_into(out_flat[rows], rstd[rows], flat[rows], weight, eps)
     return out, rstd
+
+
+@fused
+def _normalize_into(out: Tensor, rstd: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+    """One tile: ``rstd`` <- 1 / rms(x), ``out`` <- x * rstd * weight (float32, one rounding)."""
+    tile = x.float()
+    rstd.copy_(torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps))
+    out.copy_(tile * rstd * weight.float())
 
 
 def rms_norm_backward(
@@ -48,18 +54,24 @@ def rms_norm_backward(
     grad_x_flat = grad_x.view(flat.shape)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for start in tile_starts(flat, flat.shape[0], tile_tokens):
-        tile = flat[start : start + tile_tokens].float()
-        r = rstd[start : start + tile_tokens]
-        grad = grad_flat[start : start + tile_tokens]
-        grad = grad.float()
-        grad_weight += (grad * (tile * r)).sum(0)
-        grad_normed = grad * weight.float()
-        # d/dx of x * r with r = (mean(x^2) + eps)^-1/2:  r * g - x * r^3 * mean(g * x)
-        mean_gx = (grad_normed * tile).mean(-1, keepdim=True)
-        grad_x_flat[start : start + tile_tokens] = (r * grad_normed - tile * r.pow(3) * mean_gx).to(
-            x.dtype
+        rows = slice(start, start + tile_tokens)
+        _normalize_backward_into(
+            grad_x_flat[rows], grad_weight, flat[rows], rstd[rows], grad_flat[rows], weight
         )
     return grad_x, grad_weight.to(weight.dtype)
+
+
+@fused
+def _normalize_backward_into(
+    grad_x: Tensor, grad_weight: Tensor, x: Tensor, rstd: Tensor, grad: Tensor, weight: Tensor
+) -> None:
+    """One tile: ``grad_x`` <- d loss / d x, ``grad_weight`` += its share (float32)."""
+    tile, grad = x.float(), grad.float()
+    grad_weight += (grad * (tile * rstd)).sum(0)
+    grad_normed = grad * weight.float()
+    # d/dx of x * r with r = (mean(x^2) + eps)^-1/2:  r * g - x * r^3 * mean(g * x)
+    mean_gx = (grad_normed * tile).mean(-1, keepdim=True)
+    grad_x.copy_(rstd * grad_normed - tile * rstd.pow(3) * mean_gx)
 
 
 @torch.library.custom_op("upipe::rms_norm_fwd", mutates_args=())

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchtitan.models.llama3.model.model import FeedForward
 
+from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.kernels.tiling import tile_starts
 
@@ -45,11 +46,40 @@ def tiled_swiglu_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tok
     out_flat = out.view(x_flat.shape[0], w2.shape[0])
     for start in tile_starts(x_flat, x_flat.shape[0], tile_tokens):
         x_t = x_flat[start : start + tile_tokens]
-        h = F.silu(x_t @ w1.t())
-        h.mul_(x_t @ w3.t())
+        h = x_t @ w1.t()
+        _silu_times_(h, x_t @ w3.t())
         torch.mm(h, w2.t(), out=out_flat[start : start + tile_tokens])
         del h
     return out
+
+
+@fused
+def _silu_times_(a: Tensor, b: Tensor) -> None:
+    """``a`` <- silu(a) * b, in place: the tile's hidden state."""
+    F.silu(a, inplace=True).mul_(b)
+
+
+@fused
+def _silu_times(a: Tensor, b: Tensor) -> Tensor:
+    """silu(a) * b, a new tensor (``a`` is still needed)."""
+    return F.silu(a) * b
+
+
+@fused
+def _grad_of_product_(grad_h: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """From the hidden state's gradient: returns d loss / d b = grad_h * silu(a), and turns
+    ``grad_h`` into d loss / d silu(a) = grad_h * b in place."""
+    grad_b = grad_h * F.silu(a)
+    grad_h.mul_(b)
+    return grad_b
+
+
+@fused
+def _grad_of_silu_(a: Tensor, grad_silu: Tensor) -> None:
+    """``a`` <- d loss / d a = grad_silu * silu'(a), in place, where
+    silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a)))."""
+    sig = torch.sigmoid(a)
+    a.mul_(1 - sig).add_(1).mul_(sig).mul_(grad_silu)
 
 
 def tiled_swiglu_backward(
@@ -66,19 +96,13 @@ def tiled_swiglu_backward(
         g_t = grad_flat[start : start + tile_tokens]
         a = x_t @ w1.t()
         b = x_t @ w3.t()
-        s = F.silu(a)
-        _accumulate(grad_w2, g_t.t(), s * b)
+        _accumulate(grad_w2, g_t.t(), _silu_times(a, b))
         grad_h = g_t @ w2
-        grad_b = grad_h * s
-        del s
-        grad_a = grad_h.mul_(b)  # d loss / d silu(a), in place
+        grad_b = _grad_of_product_(grad_h, a, b)
         del b
-        # silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a))), built in place in a's storage.
-        sig = torch.sigmoid(a)
-        a.mul_(1 - sig).add_(1).mul_(sig)
-        del sig
-        grad_a.mul_(a)
-        del a
+        _grad_of_silu_(a, grad_h)
+        grad_a = a
+        del a, grad_h
         rows = grad_x_flat[start : start + tile_tokens]
         torch.mm(grad_a, w1, out=rows)
         rows.addmm_(grad_b, w3)
