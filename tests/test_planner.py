@@ -170,16 +170,16 @@ def _real_compiled_peaks(rank: int, world: int, tmp: str, jobs: dict, out: str) 
         torch._dynamo.reset()
         config = _config(tmp, world, [*extra, "--compile.enable", "true"])
         tracker = LiveMemoryTracker()
-        with transparent_ops(), tracker:
+        with transparent_ops(), tracker:  # steps 2 and 3 too: ops run as in step 1
             trainer = Trainer(config)
             tracked_step(trainer, tracker, config)
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        generator = torch.Generator().manual_seed(rank)
-        for _ in range(2):
-            tokens = torch.randint(0, 2048, (1, config.training.seq_len), generator=generator)
-            trainer.train_step([(tokens, tokens)])
-        recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-        peak = torch.tensor(float(tracker.peaks["cpu"].bytes))
+            peak = torch.tensor(float(tracker.peaks["cpu"].bytes))
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            generator = torch.Generator().manual_seed(rank)
+            for _ in range(2):
+                tokens = torch.randint(0, 2048, (1, config.training.seq_len), generator=generator)
+                trainer.train_step([(tokens, tokens)])
+            recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         results[name] = (peak.item(), recompiles)
         del trainer

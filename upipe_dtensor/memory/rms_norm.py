@@ -40,7 +40,7 @@ def rms_norm_forward(
 def _normalize_into(out: Tensor, rstd: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
     """One tile: ``rstd`` <- 1 / rms(x), ``out`` <- x * rstd * weight (float32, one rounding)."""
     tile = x.float()
-    rstd.copy_(torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps))
+    torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps, out=rstd)
     out.copy_(tile * rstd * weight.float())
 
 
