@@ -17,8 +17,9 @@ temporaries than the loops they came from, and compiled, inductor writes straigh
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,9 +28,21 @@ _backend: str | None = None
 
 
 def use_backend(backend: str | None) -> None:
-    """Compile ``@fused`` functions with this dynamo backend from now on (None: run eagerly)."""
+    """Compile ``@fused`` functions with this dynamo backend from now on (None: run eagerly).
+    Process-wide: the job that builds a model sets it (``parallelize_llama``)."""
     global _backend
     _backend = backend
+
+
+@contextlib.contextmanager
+def restored_backend() -> Iterator[None]:
+    """Whatever runs inside may set another backend; the one before comes back afterwards (the
+    planner builds a model of another job in the same process)."""
+    previous = _backend
+    try:
+        yield
+    finally:
+        use_backend(previous)
 
 
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -35,6 +35,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from upipe_dtensor.kernels.fused import restored_backend
 from upipe_dtensor.kernels.op_mode import project_ops
 from upipe_dtensor.planning.tracker import untracked
 
@@ -357,16 +358,18 @@ def register() -> None:
 
 @contextlib.contextmanager
 def fresh_compiles(enabled: bool) -> Iterator[None]:
-    """Around a planned step with compiled blocks: the planner's backend registered, dynamo's
+    """Around a planned step: with compiled blocks, the planner's backend registered and dynamo's
     caches empty before and after (each plan compiles its own graphs, for its own shapes, which
-    stay static: a sweep's other lengths do not make them dynamic)."""
-    if not enabled:
-        yield
-        return
-    register()
-    torch._dynamo.reset()
-    try:
-        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+    stay static: a sweep's other lengths do not make them dynamic); the tile kernels' backend
+    as it was before, either way."""
+    with restored_backend():  # the planned job sets the tile kernels' backend: not ours
+        if not enabled:
             yield
-    finally:
+            return
+        register()
         torch._dynamo.reset()
+        try:
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                yield
+        finally:
+            torch._dynamo.reset()
