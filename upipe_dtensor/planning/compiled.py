@@ -14,11 +14,15 @@ runs it:
 - what inductor calls rather than generates (the project's custom ops, matmuls, every op it has no
   lowering for) runs as itself; the project's ops run their Python bodies, whose buffers the
   tracker sees, as in an eager plan;
-- the ops between two such calls fuse: each group of them connected by their data is one kernel,
-  which reads its inputs and writes the values used after it once; only those are allocated, and
-  ``StepWorkCounter.count_fused_kernel`` counts one launch and those bytes;
-- a kernel writes a value into the buffer of an input that dies there, with the same shape,
-  strides and dtype (inductor's in-place reuse), and every buffer is freed after its last use.
+- the other ops fuse along their data, unless a call would then sit both before and after the
+  kernel, and groups that become ready at the same point and read the same input fuse too; a
+  kernel runs as soon as its inputs are ready, reads them and writes the values used after it
+  once; only those are allocated, and ``StepWorkCounter.count_fused_kernel`` counts one launch
+  and those bytes;
+- a kernel writes a value into the buffer of an input that dies there with the same shape,
+  strides and dtype, and that only the ops computing that value read (inductor's in-place reuse;
+  a backward may so reuse the saved tensors AOTAutograd donates), and every buffer is freed after
+  its last use, inputs included.
 
 This is a model of inductor's scheduler (which is not run): tests/test_planner.py checks the
 planned peak against real compiled steps on CPU, where inductor's own code runs.
@@ -135,16 +139,19 @@ def _schedule(graph: fx.Graph) -> list[fx.Node | _Kernel]:
             ready[node] = order[node]
         placed.append((ready[node], node))
     # Kernels that become ready together and read the same input fuse too (horizontally).
-    kernels: dict[tuple[float, fx.Node], list[fx.Node]] = {}
+    kernels: list[tuple[float, set[fx.Node], list[fx.Node]]] = []  # (ready at, inputs, ops)
     for members in groups.values():
         for part in _in_time(members, order):
             inside = set(part)
             inputs = {s for n in part for s in _tensor_inputs(n) if s not in inside}
             at = max((ready.get(s, order[s]) for s in inputs), default=-1.0)
-            shared = next((k for k in kernels if k[0] == at and k[1] in inputs), None)
-            key = shared or (at, next(iter(inputs), part[0]))
-            kernels.setdefault(key, []).extend(part)
-    for (at, _), members in kernels.items():
+            same = next((k for k in kernels if k[0] == at and k[1] & inputs), None)
+            if same is None:
+                kernels.append((at, inputs, part))
+            else:
+                same[1].update(inputs)
+                same[2].extend(part)
+    for at, _, members in kernels:
         members.sort(key=order.__getitem__)
         placed.append((at + 0.5, _kernel(members)))
     return [step for _, step in sorted(placed, key=lambda item: item[0])]
