@@ -103,7 +103,7 @@ def configurations(setup: Setup) -> dict[str, list[str]]:
         "+tiled RMSNorm": norm,
         "+chunked loss": chunked,
         "all": [*offload, *tiled, *norm, *chunked],
-        # each block compiled (fullgraph), which the memory planner's eager trace does not see
+        # each block compiled (fullgraph, inductor), as the GPU recipes run
         "all, compiled": [*offload, *tiled, *norm, *chunked, "--compile.enable", "true"],
     }
 

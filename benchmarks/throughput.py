@@ -9,9 +9,9 @@ For each world size: ``benchmarks/cpu_profile.py`` under torchrun measures the p
 style trains the debug flavor for ``--steps`` steps under torchrun (``train.py``, the job's own
 ``tok/s/dev`` log lines; the first step, which warms caches and compiles the compiled row's
 blocks, is dropped and the median of the rest taken), and the planner traces the same job on
-fake tensors (``plan_job(target="cpu")``, eager: it does not model compiled fusion) and prices
-it with the profile. Ratios are to the first style run
-(UPipe, its stages overlapped) in the same run.
+fake tensors (``plan_job(target="cpu")``; the compiled row from inductor's graphs, its fused
+kernels counted as such: ``planning.compiled``) and prices it with the profile. Ratios are to the
+first style run (UPipe, its stages overlapped) in the same run.
 """
 
 from __future__ import annotations

@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import pytest
 
+from upipe_dtensor.kernels.fused import restored_backend
+
 GROUPS = ("unit", "distributed", "e2e")
+
+
+@pytest.fixture(autouse=True)
+def _tile_kernels_as_before():
+    """A test that builds a compiled job's model sets the tiled ops' kernel backend for the
+    process (``kernels.fused``); the next test starts from the one before."""
+    with restored_backend():
+        yield
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -63,6 +63,7 @@ CASES = [
     dict(name="ring, documents", style="ring", n_heads=4, n_kv=2, docs=True),
     dict(name="upipe x fpdt, 16 chunks", style="fpdt", n_heads=8, n_kv=4, u=4, chunks=16),
     dict(name="upipe 2d, 2 x 2", style="upipe2d", ring=2, n_heads=8, n_kv=2, u=2),
+    dict(name="upipe, compiled", style="upipe", n_heads=8, n_kv=2, u=4, compile=True),
 ]
 
 
@@ -119,6 +120,9 @@ def _errors(rank: int, cp: int, case: dict) -> dict[str, tuple[float, float]] | 
     tokens, probe, doc_ids = _inputs(case.get("docs", False))
     style = make_style(case | {"seq_len": SEQ_LEN})
     parallelize_module(sharded, cp_mesh(case, cp), {"layers.*.attention": style})
+    if case.get("compile"):  # each block compiled, as the recipes run (inductor, bf16 kernels)
+        for block in sharded.layers.values():
+            block.compile(fullgraph=True, dynamic=False)
     local = sharded(shard(tokens, rank, cp, style), attention_masks=doc_ids)
     logits = gather_sequence(_backward(local, shard(probe, rank, cp, style)), style)
     grads = summed_grads(sharded)

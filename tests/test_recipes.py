@@ -119,6 +119,7 @@ def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
         assert trainer.model.model_args.max_seq_len == config.training.seq_len
         assert isinstance(trainer.host_offload, HostOffload)  # every recipe offloads block inputs
         assert trainer.model.loss_chunk_tokens == config.memory.loss_chunk_tokens
+        assert config.compile.enable  # every GPU recipe compiles its blocks
     finally:
         dist.destroy_process_group()
 

@@ -329,8 +329,13 @@ class Metrics:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile each TransformerBlock (fullgraph)."""
+    """torch.compile each TransformerBlock (fullgraph); every block runs one compiled graph."""
     backend: str = "inductor"
+    fuse_tiles: bool = True
+    """With ``enable``: also compile the elementwise chains inside the tiled ops (RMSNorm, SwiGLU,
+    RoPE: the memory-bound work a compiled block cannot fuse, since it calls those ops as opaque
+    nodes) into fused kernels (``kernels.fused``); a few more graphs to compile at start-up (two
+    per chain where the last tile is shorter)."""
 
 
 @dataclass

@@ -102,7 +102,10 @@ def load_eval_weights(built: ParallelModel, snapshot: Path | None) -> str:
 def load_job_model(config: JobConfig) -> tuple[ParallelModel, Path | None, str]:
     """The job's model, built and parallelised as train.py builds it, with the weights a resuming
     job would take: (model, the snapshot or None for the initial weights, a description).
-    ConfigError, before any process group, when there are no weights at all."""
+    ConfigError, before any process group, when there are no weights at all. The blocks run
+    eager whatever [compile] says: an evaluation runs each of its lengths a few times, and every
+    length would be another compiled graph (fullgraph fails past dynamo's recompile limit)."""
+    config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
     folder = Path(config.job.dump_folder) / config.checkpoint.folder
     candidates = snapshot_candidates(config, folder)  # folder names only: no process group yet
     if not candidates and not initial_load_folder(config):

@@ -26,6 +26,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.kernels.fused import use_backend as use_fused_backend
+from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
@@ -164,9 +166,31 @@ def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallel
 
 
 def apply_compile(model: nn.Module, config: JobConfig) -> None:
-    """Compile each block in place (keeps parameter names, so checkpoints do not change)."""
+    """Compile each block in place (keeps parameter names, so checkpoints do not change).
+
+    Every block shares one compiled graph (per distinct block: kept attention or not): the
+    blocks' forwards are classes, not per-block patched functions, so dynamo guards pass for
+    each block after the first (``memory.tiled_mlp.TiledFeedForward``). Shapes are static
+    (``dynamic=False``): a training job has one, and the styles' layout arithmetic is plain
+    Python on the sequence length."""
+    if config.compile.backend == "inductor":
+        register_inductor_fallbacks()
     for block in model.layers.values():
-        block.compile(fullgraph=True, backend=config.compile.backend)
+        block.compile(fullgraph=True, dynamic=False, backend=config.compile.backend)
+
+
+def compile_report(backend: str) -> str:
+    """What compiling cost this process so far, for the log after the first step: dynamo's graphs
+    (one per distinct block, which every such block runs, and the tiled ops' fused kernels) and
+    the wall time of compiling them, forward and backward (dynamo's own accounting)."""
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    seconds = calculate_time_spent().get("total_wall_time", 0.0)
+    return (
+        f"compiled {graphs} graph{'s' * (graphs != 1)} ({backend}: blocks and tile kernels, "
+        f"forward and backward) in {seconds:.1f} s"
+    )
 
 
 def apply_fsdp(
@@ -221,7 +245,9 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
         apply_tiled_rms_norm(model, config.memory.norm_tile_tokens)
     if config.memory.chunked_loss:
         model.loss_chunk_tokens = config.memory.loss_chunk_tokens
-    if config.compile.enable:
+    compiled = config.compile
+    use_fused_backend(compiled.backend if compiled.enable and compiled.fuse_tiles else None)
+    if compiled.enable:
         apply_compile(model, config)
     ac = config.activation_checkpoint
     offload = (

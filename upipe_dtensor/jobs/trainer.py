@@ -51,7 +51,12 @@ from upipe_dtensor.jobs.build import (
     load_initial_weights,
     set_up_job,
 )
-from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, describe_cp_style
+from upipe_dtensor.jobs.parallelize import (
+    DTYPES,
+    ParallelMeshes,
+    compile_report,
+    describe_cp_style,
+)
 from upipe_dtensor.models import flops_per_token
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
@@ -357,6 +362,8 @@ class Trainer:
         microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
         lr = self.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler moves on)
         loss, grad_norm = (t.item() for t in self.train_step(microbatches))
+        if step == self.start_step + 1 and self.config.compile.enable and dist.get_rank() == 0:
+            print(compile_report(self.config.compile.backend), flush=True)
         self.metrics.log(
             step,
             loss=loss,

@@ -21,12 +21,24 @@ _transparent = False
 
 @dataclass(frozen=True)
 class OpSpec:
-    """A custom op, the Python body it runs, and (for forward ops) its autograd pieces."""
+    """A custom op, the Python body it runs, and (for forward ops) its autograd pieces. Every
+    spec is registered (``project_ops``): compiled graphs call the ops by name."""
 
     op: Callable[..., Any]
     body: Callable[..., Any]
     setup_context: Callable[..., None] | None = None
     backward: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        _SPECS[self.op._opoverload] = self
+
+
+_SPECS: dict[torch._ops.OpOverload, OpSpec] = {}
+
+
+def project_ops() -> dict[torch._ops.OpOverload, OpSpec]:
+    """Every registered op (``torch.ops.upipe.*``), by the overload a compiled graph calls."""
+    return dict(_SPECS)
 
 
 @contextlib.contextmanager
@@ -53,8 +65,10 @@ class _Transparent(torch.autograd.Function):
 
 
 def call(spec: OpSpec, *args):
-    """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd)."""
-    if not _transparent:
+    """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd).
+    While ``torch.compile`` traces, always the op: a compiled graph calls it, and a planned
+    compiled graph runs its body (``planning.compiled``)."""
+    if torch.compiler.is_compiling() or not _transparent:  # compiling first: no guard on it
         return spec.op(*args)
     if spec.backward is None:  # a backward op: already running inside autograd's backward
         return spec.body(*args)

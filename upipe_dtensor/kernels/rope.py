@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
+from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.tiling import tile_starts
 
 TILE_TOKENS = 16384
@@ -75,15 +76,21 @@ def _rotate(x: Tensor, table: Tensor, sign: float) -> Tensor:
         table = table.unsqueeze(0)
     out = torch.empty_like(x)
     for start in tile_starts(out, x.shape[1], TILE_TOKENS):
-        rows = table[:, start : start + TILE_TOKENS]
-        cos, sin = rows[..., 0].unsqueeze(2), rows[..., 1].unsqueeze(2) * sign
-        pairs = x[:, start : start + TILE_TOKENS].float().unflatten(-1, (-1, 2))
-        real, imag = pairs[..., 0], pairs[..., 1]
-        # Written (and cast) straight into the output: no stacked float32 copy of the tile.
-        rotated = out[:, start : start + TILE_TOKENS].unflatten(-1, (-1, 2))
-        rotated[..., 0] = real * cos - imag * sin
-        rotated[..., 1] = real * sin + imag * cos
+        tile = slice(start, start + TILE_TOKENS)
+        _rotate_into(out[:, tile], x[:, tile], table[:, tile], sign)
     return out
+
+
+@fused
+def _rotate_into(out: Tensor, x: Tensor, rows: Tensor, sign: float) -> None:
+    """One tile: ``out`` <- ``x`` with each pair rotated by its row's (cos, sign * sin)."""
+    cos, sin = rows[..., 0].unsqueeze(2), rows[..., 1].unsqueeze(2) * sign
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    # Written (and cast) straight into the output: no stacked float32 copy of the tile.
+    rotated = out.unflatten(-1, (-1, 2))
+    rotated[..., 0] = real * cos - imag * sin
+    rotated[..., 1] = real * sin + imag * cos
 
 
 def apply_rope(x: Tensor, table: Tensor) -> Tensor:

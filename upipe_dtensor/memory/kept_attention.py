@@ -58,32 +58,38 @@ class KeptAttention:
             raise ValueError(f"keep_attention must be 'host' or 'device' to keep, got {where!r}")
         self.host = HostMemory(host_device) if where == "host" else None
         self.name = f"kept-attention-{next(KeptAttention._names)}"
-        self._entries: dict[str, list] = {}  # layer -> [(out, lse) or their Parked, uses left]
-        self._recomputes: dict[str, int] = {}
+        self._entries: dict[int, list] = {}  # layer -> [(out, lse) or their Parked, uses left]
+        self._recomputes: list[tuple[weakref.ref, int]] = []
         _NAMED[self.name] = self
 
-    def key(self, layer: object) -> str:
-        """The op's ``AttentionParams.keep`` value for ``layer`` (any object; its identity)."""
-        return f"{self.name}/{id(layer)}"
-
-    def expect_recomputes(self, layer: object, count: int) -> None:
-        """``layer``'s forward runs ``count`` times in backward: a block inside a checkpoint
+    def expect_recomputes(self, attention: torch.nn.Module, count: int) -> None:
+        """``attention``'s forward runs ``count`` times in backward: a block inside a checkpoint
         group (``memory.offload.CheckpointGroup``) runs in the group's recompute and again in
         its own checkpoint's. Its kept attention serves each of them and is dropped after the
         last; taken at the first, the block's own recompute would find nothing and recompute
         the attention (the default is once)."""
-        self._recomputes[str(id(layer))] = count
+        self._recomputes.append((weakref.ref(attention), count))
 
-    def keep(self, layer: str, out: Tensor, lse: Tensor) -> None:
+    def _uses(self, layer: int) -> int:
+        """How many recomputes the layer whose ``wo`` weight is ``layer`` serves: looked up
+        when it keeps, through the module's current ``wo`` (the unsharded parameter FSDP2 puts
+        there while the block runs)."""
+        for module, count in self._recomputes:
+            attention = module()
+            if attention is not None and id(attention.wo.weight) == layer:
+                return count
+        return 1
+
+    def keep(self, layer: int, out: Tensor, lse: Tensor) -> None:
         self._entries.pop(layer, None)  # an earlier forward's, never recomputed: re-inserted last
         if self.host is None:
             kept = (out, lse)
         else:
             store = self.host.store(out.device)
             kept = (store.park(out), store.park(lse))
-        self._entries[layer] = [kept, self._recomputes.get(layer, 1)]
+        self._entries[layer] = [kept, self._uses(layer)]
 
-    def take(self, layer: str) -> tuple[Tensor, Tensor] | None:
+    def take(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """The kept (out, lse) for one of the layer's recomputes; dropped after the last."""
         entry = self._entries.get(layer)
         if entry is None:
@@ -103,9 +109,15 @@ class KeptAttention:
         return tuple(store.retrieve(parked, release=last) for parked in kept)
 
     def forward(
-        self, layer: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
+        self, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """An attention op's (y, out, lse): kept ones in a recompute, else ``run()``, kept."""
+        """An attention op's (y, out, lse): kept ones in a recompute, else ``run()``, kept.
+
+        The layer is told by its ``wo`` weight, the same tensor object in the forward and in its
+        recompute (FSDP2 regathers into the same unsharded parameter), not by a name in the op's
+        arguments: those are constants of a compiled graph, and one per layer would compile every
+        block again."""
+        layer = id(wo)
         if in_backward():
             kept = self.take(layer)
             if kept is not None:
@@ -120,12 +132,11 @@ class KeptAttention:
 def kept_forward(
     keep: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``KeptAttention.forward`` of the store and layer named by ``keep`` ("store/layer", from
-    ``KeptAttention.key``); just ``run()`` when ``keep`` is empty."""
+    """``KeptAttention.forward`` of the store named by ``keep`` (``KeptAttention.name``); just
+    ``run()`` when ``keep`` is empty."""
     if not keep:
         return run()
-    name, layer = keep.rsplit("/", 1)
-    kept = _NAMED.get(name)
+    kept = _NAMED.get(keep)
     if kept is None:
-        raise ValueError(f"no kept attention named {name!r}: the style that owned it is gone")
-    return kept.forward(layer, wo, run)
+        raise ValueError(f"no kept attention named {keep!r}: the style that owned it is gone")
+    return kept.forward(wo, run)

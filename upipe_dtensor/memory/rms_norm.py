@@ -14,11 +14,10 @@ one rounding to the activation dtype at the end, as in ``torch.rms_norm``'s fuse
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor, nn
 
+from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.kernels.tiling import tile_starts
 
@@ -28,13 +27,21 @@ def rms_norm_forward(
 ) -> tuple[Tensor, Tensor]:
     """(y, rstd): the normalised ``x`` (same shape and dtype) and its float32 (N, 1) rstd."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.empty_like(flat)
+    out = x.new_empty(x.shape)  # not a view: a compiled block's output may be this buffer
+    out_flat = out.view(flat.shape)
     rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
     for start in tile_starts(flat, flat.shape[0], tile_tokens):
-        tile = flat[start : start + tile_tokens].float()
-        torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps, out=rstd[start : start + tile_tokens])
-        out[start : start + tile_tokens] = tile * rstd[start : start + tile_tokens] * weight.float()
-    return out.view_as(x), rstd
+        rows = slice(start, start + tile_tokens)
+        _normalize_into(out_flat[rows], rstd[rows], flat[rows], weight, eps)
+    return out, rstd
+
+
+@fused
+def _normalize_into(out: Tensor, rstd: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+    """One tile: ``rstd`` <- 1 / rms(x), ``out`` <- x * rstd * weight (float32, one rounding)."""
+    tile = x.float()
+    torch.rsqrt(tile.pow(2).mean(-1, keepdim=True) + eps, out=rstd)
+    out.copy_(tile * rstd * weight.float())
 
 
 def rms_norm_backward(
@@ -43,21 +50,28 @@ def rms_norm_backward(
     """(dx, dweight) from the saved input and rstd, one tile of float32 work at a time."""
     flat = x.reshape(-1, x.shape[-1])
     grad_flat = grad_out.reshape(-1, x.shape[-1])
-    grad_x = torch.empty_like(flat)
+    grad_x = x.new_empty(x.shape)
+    grad_x_flat = grad_x.view(flat.shape)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for start in tile_starts(flat, flat.shape[0], tile_tokens):
-        tile = flat[start : start + tile_tokens].float()
-        r = rstd[start : start + tile_tokens]
-        grad = grad_flat[start : start + tile_tokens]
-        grad = grad.float()
-        grad_weight += (grad * (tile * r)).sum(0)
-        grad_normed = grad * weight.float()
-        # d/dx of x * r with r = (mean(x^2) + eps)^-1/2:  r * g - x * r^3 * mean(g * x)
-        mean_gx = (grad_normed * tile).mean(-1, keepdim=True)
-        grad_x[start : start + tile_tokens] = (r * grad_normed - tile * r.pow(3) * mean_gx).to(
-            x.dtype
+        rows = slice(start, start + tile_tokens)
+        _normalize_backward_into(
+            grad_x_flat[rows], grad_weight, flat[rows], rstd[rows], grad_flat[rows], weight
         )
-    return grad_x.view_as(x), grad_weight.to(weight.dtype)
+    return grad_x, grad_weight.to(weight.dtype)
+
+
+@fused
+def _normalize_backward_into(
+    grad_x: Tensor, grad_weight: Tensor, x: Tensor, rstd: Tensor, grad: Tensor, weight: Tensor
+) -> None:
+    """One tile: ``grad_x`` <- d loss / d x, ``grad_weight`` += its share (float32)."""
+    tile, grad = x.float(), grad.float()
+    grad_weight += (grad * (tile * rstd)).sum(0)
+    grad_normed = grad * weight.float()
+    # d/dx of x * r with r = (mean(x^2) + eps)^-1/2:  r * g - x * r^3 * mean(g * x)
+    mean_gx = (grad_normed * tile).mean(-1, keepdim=True)
+    grad_x.copy_(rstd * grad_normed - tile * rstd.pow(3) * mean_gx)
 
 
 @torch.library.custom_op("upipe::rms_norm_fwd", mutates_args=())
@@ -107,10 +121,18 @@ def tiled_rms_norm(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> T
     return out
 
 
-def _tiled_forward(module: nn.RMSNorm, tile_tokens: int, x: Tensor) -> Tensor:
-    """Drop-in for ``nn.RMSNorm.forward``; the weight is read per call (FSDP2 swaps it in)."""
-    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-    return tiled_rms_norm(x, module.weight, eps, tile_tokens or x.shape[-1])
+class TiledRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` computed ``tile_tokens`` tokens at a time (``tiled_rms_norm``); a subclass
+    swapped in by ``apply_tiled_rms_norm`` rather than a patched forward, so ``torch.compile``
+    guards every block's norm by the shared type (``memory.tiled_mlp.TiledFeedForward`` says
+    why). The weight is read per call (FSDP2 swaps it in)."""
+
+    tile_tokens: int = 0
+    """Tokens per tile; 0 means the model width."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return tiled_rms_norm(x, self.weight, eps, self.tile_tokens or x.shape[-1])
 
 
 def apply_tiled_rms_norm(model: nn.Module, tile_tokens: int = 0) -> None:
@@ -124,4 +146,5 @@ def apply_tiled_rms_norm(model: nn.Module, tile_tokens: int = 0) -> None:
     if any(m.weight is None or len(m.normalized_shape) != 1 for m in norms):
         raise ValueError("tiled RMSNorm needs RMSNorm over the last dimension with a weight")
     for norm in norms:
-        norm.forward = functools.partial(_tiled_forward, norm, tile_tokens)
+        norm.__class__ = TiledRMSNorm
+        norm.tile_tokens = tile_tokens

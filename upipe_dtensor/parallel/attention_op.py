@@ -73,7 +73,7 @@ class AttentionParams:
     """Start stage s+1's all-to-alls before stage s's attention and wait for each just before its
     use (``staged_attention``); False waits for every exchange as it is made."""
     keep: str = ""
-    """Attention kept for the recompute (``memory.kept_attention``): "store/layer", or "" for
+    """Attention kept for the recompute (``memory.kept_attention``): the store's name, or "" for
     none."""
     store_name: str = ""
     """FPDT: the host store that parks earlier chunks (``memory.host_store.named_host_store``)."""

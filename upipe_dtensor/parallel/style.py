@@ -12,7 +12,6 @@ how weights are, so ``fully_shard`` applied afterwards owns the parameters as us
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +131,7 @@ class ContextParallelAttention(ParallelStyle):
             scale=module.head_dim**-0.5,
             backend=self.backend,
             kernel_device=self.kernel_device or "",
-            keep="" if self.kept is None or not torch.is_grad_enabled() else self.kept.key(module),
+            keep="" if self.kept is None or not torch.is_grad_enabled() else self.kept.name,
         )
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
@@ -160,7 +159,8 @@ class ContextParallelAttention(ParallelStyle):
             axes.head_degree,
             self._stage_heads(module.n_heads, axes.head_degree),
         )
-        module.forward = functools.partial(_cp_attention_forward, module, self, axes)
+        module.cp_style, module.cp_axes = self, _AXES.setdefault(axes, axes)
+        module.__class__ = _context_parallel_class(type(module))
         self.applied_axes = axes
         return module
 
@@ -458,6 +458,38 @@ def _check_attention_module(module: nn.Module) -> None:
             )
     if module.head_dim % 2:
         raise ValueError(f"head_dim={module.head_dim} must be even for rotary embeddings")
+
+
+_AXES: dict[_Axes, _Axes] = {}
+"""One ``_Axes`` per distinct value, shared by every layer on the same mesh."""
+_CP_CLASSES: dict[type, type] = {}
+
+
+def _context_parallel_class(cls: type) -> type:
+    """``cls`` with the context-parallel forward: one class per attention class, which the style
+    swaps in. A forward patched onto each layer would be guarded by ``torch.compile`` by its
+    identity, so every block would compile again (and fullgraph compilation fails past dynamo's
+    recompile limit); a class and a style shared by all layers are guarded once."""
+    base = getattr(cls, "_cp_base", cls)
+    if base not in _CP_CLASSES:
+        _CP_CLASSES[base] = type(
+            f"ContextParallel{base.__name__}",
+            (base,),
+            {"forward": _cp_forward, "_cp_base": base, "__module__": __name__},
+        )
+    return _CP_CLASSES[base]
+
+
+def _cp_forward(
+    self: nn.Module,
+    x: Tensor,
+    freqs_cis: Tensor,
+    attention_masks: Tensor | None = None,
+    positions: Tensor | None = None,
+) -> Tensor:
+    return _cp_attention_forward(
+        self, self.cp_style, self.cp_axes, x, freqs_cis, attention_masks, positions
+    )
 
 
 def _cp_attention_forward(

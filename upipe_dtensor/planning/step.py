@@ -38,6 +38,7 @@ from upipe_dtensor.jobs.parallelize import build_meshes, describe_cp_style
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.parallel.projections import forget_head_indices
+from upipe_dtensor.planning import compiled as planned_compile
 from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
 from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
 from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
@@ -165,6 +166,8 @@ class Plan:
     """Each kind of sync with its call site and count per step."""
     collectives: dict[str, int] = field(default_factory=dict)
     """Calls per step by kind and by the device type of their tensors, "all_reduce on cpu"."""
+    compiled: bool = False
+    """Compiled blocks, planned from inductor's graphs (``planning.compiled``)."""
 
     @property
     def fits_device(self) -> bool:
@@ -244,7 +247,7 @@ class Plan:
         lines = [
             f"plan for {self.config_file}: seq_len {self.seq_len:,}, {self.attention}, "
             f"{self.world_size} ranks, {self.attention_backend} attention kernels traced on "
-            f"{self.traced_on}",
+            f"{self.traced_on}, {'compiled' if self.compiled else 'eager'} blocks",
             f"  device peak per rank : {self.device_peak_bytes / GiB:8.2f} GiB of "
             f"{budget.device_bytes / GiB:g} GiB, at {self.device_peak_when}",
         ]
@@ -298,9 +301,27 @@ def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
 
     def entering(name: str):
         def hook(_module, _args):
+            if torch.compiler.is_compiling():  # inside a compiled block: its wrapper tells
+                return
             backward = torch._C._current_graph_task_id() != -1
             tracker.when = f"{'backward (recompute)' if backward else 'forward'}, block {name}"
             tracker.in_head = False
+
+        return hook
+
+    def leaving(name: str):
+        """A compiled block's wrapper: its backward starts when its output's gradient node runs
+        (the recompute inside runs compiled, where no hook can tell)."""
+
+        def hook(_module, _args, output):
+            if torch.compiler.is_compiling() or output.grad_fn is None:
+                return
+
+            def backward_starts_here(_grads):
+                tracker.when = f"backward (recompute), block {name}"
+                tracker.in_head = False
+
+            output.grad_fn.register_prehook(backward_starts_here)
 
         return hook
 
@@ -317,6 +338,9 @@ def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
         # Recompute calls the module inside a checkpoint wrapper, not the wrapper itself.
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         inner.register_forward_pre_hook(entering(name))
+        if inner is not block and getattr(inner, "_compiled_call_impl", None) is not None:
+            block.register_forward_pre_hook(entering(name))
+            block.register_forward_hook(leaving(name))
     model.norm.register_forward_pre_hook(head)
     model.norm.register_full_backward_pre_hook(backward_starts)
     trainer.optimizer.register_step_pre_hook(lambda *_: setattr(tracker, "when", "optimizer step"))
@@ -425,11 +449,9 @@ def plan_job(
     timed only with a given ``profile``, such as the measured one of
     ``benchmarks/cpu_profile.py``), which the tests compare with real CPU runs.
 
-    ``[compile] enable`` is planned eager: dynamo cannot trace under the planner's dispatch
-    modes. Measured on CPU (``benchmarks/memory_stack.py``, the debug model with the whole memory
-    stack), a compiled step's working set was 12% above the eager one (73.7 against 65.7 MiB,
-    the size of two (S/C, D) hidden states), which an eager plan does not count; nor does the time
-    model count what compiled fusion saves.
+    With ``[compile] enable`` the blocks are compiled as in the real job, up to the graphs
+    inductor lowers, and those graphs run on the fake tensors as inductor's code runs them
+    (``planning.compiled``): the plan counts the compiled step's memory and its fused kernels.
     """
     host = HOST if target == "cuda" else DEVICE
     budget = budget or Budget()
@@ -437,11 +459,12 @@ def plan_job(
     cp = parallelism.context_parallel_degree
     world_size = world_size or parallelism.world_size
     dp = check_job(config, world_size)
-    config = dataclasses.replace(  # compiled blocks are traced eager (see the docstring)
+    compiled = config.compile.enable
+    config = dataclasses.replace(  # compiled blocks: inductor's graphs, replayed (docstring)
         config,
         checkpoint=dataclasses.replace(config.checkpoint, enable=False),
         metrics=dataclasses.replace(config.metrics, enable_tensorboard=False),
-        compile=dataclasses.replace(config.compile, enable=False),
+        compile=dataclasses.replace(config.compile, backend=planned_compile.PLANNER_BACKEND),
     )
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     forget_head_indices()
@@ -452,6 +475,7 @@ def plan_job(
         rehearsal = GpuRehearsal(DEVICE, host, target) if target == "cuda" else None
         watch = rehearsal.ops() if rehearsal is not None else contextlib.nullcontext()
         with (
+            planned_compile.fresh_compiles(compiled),
             FakeTensorMode(allow_non_fake_inputs=True),
             watch,
             transparent_ops(),
@@ -496,6 +520,7 @@ def plan_job(
         speed = predict_step_time(counter.work, _step_shape(trainer, config, target), profile)
     return Plan(
         config_file=config.config_file,
+        compiled=compiled,
         seq_len=config.training.seq_len,
         cp_style=parallelism.cp_style,
         heads_per_stage=parallelism.stage_heads(n_heads),

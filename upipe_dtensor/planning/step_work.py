@@ -17,6 +17,10 @@ A ``TorchDispatchMode`` beside the memory tracker sees every aten op of the plan
   busbw convention; point-to-point: the tensor);
 - host <-> device copies, split into the activation offload's and the rest (FPDT's chunks).
 
+In a compiled block (``planning.compiled``) the ops inductor fuses are counted as its kernels:
+one launch each, reading its inputs and writing its stored outputs once (``fused_kernels``,
+``fused_bytes``), instead of one op and its bytes per aten op.
+
 Loops the planner shortens on fake tensors (``kernels.tiling.visited``) are counted whole: each
 visited iteration's counts are multiplied by the real iterations it stands for. The optimizer
 step is not counted op by op: an offloaded optimizer runs on the host, so the
@@ -34,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from upipe_dtensor.kernels.tiling import repeats
-from upipe_dtensor.planning.tracker import OFFLOAD, label_from_stack
+from upipe_dtensor.planning.tracker import OFFLOAD, is_untracked, label_from_stack, run_op_bodies
 
 aten = torch.ops.aten
 _MATMULS = {
@@ -105,6 +109,10 @@ class StepWork:
     all_reduce, p2p (sends only: each hop's receive is the neighbour's send)."""
     host_bytes: dict[tuple[str, str], float] = field(default_factory=dict)
     """(what: "activation offload" | "other", "to host" | "to device") -> bytes."""
+    fused_kernels: float = 0.0
+    """Kernels of compiled blocks that fuse elementwise ops and reductions (part of ``ops``)."""
+    fused_bytes: float = 0.0
+    """The bytes those kernels read and write (part of ``memory_bytes``)."""
 
     def to_json(self) -> dict:
         """Plain JSON (tuple keys joined by "|"), for benchmarks that price saved work again."""
@@ -118,6 +126,8 @@ class StepWork:
                 for (kind, crosses), t in self.communication.items()
             },
             "host_bytes": {"|".join(k): v for k, v in self.host_bytes.items()},
+            "fused_kernels": self.fused_kernels,
+            "fused_bytes": self.fused_bytes,
         }
 
     @classmethod
@@ -133,6 +143,8 @@ class StepWork:
             attention_flops={tuple(k.split("|")): v for k, v in data["attention_flops"].items()},
             communication=communication,
             host_bytes={tuple(k.split("|")): v for k, v in data["host_bytes"].items()},
+            fused_kernels=data.get("fused_kernels", 0.0),
+            fused_bytes=data.get("fused_bytes", 0.0),
         )
 
     def summary(self) -> dict[str, float]:
@@ -142,6 +154,9 @@ class StepWork:
             "memory-bound bytes": self.memory_bytes,
             "ops": self.ops,
         }
+        if self.fused_kernels:
+            out["fused kernels (compiled)"] = self.fused_kernels
+            out["fused kernel bytes (compiled)"] = self.fused_bytes
         for (family, direction), flops in sorted(self.attention_flops.items()):
             out[f"attention FLOPs, {family} {direction}"] = flops
         for (kind, crosses), traffic in sorted(self.communication.items()):
@@ -230,6 +245,25 @@ class StepWorkCounter(TorchDispatchMode):
         self.counting = False
         self._crosses: dict[str, bool] = {}
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while ``torch.compile`` compiles, on while its graphs run (``tracker``)."""
+        return True
+
+    def __enter__(self):
+        run_op_bodies(StepWorkCounter)
+        return super().__enter__()
+
+    def count_fused_kernel(self, nbytes: int) -> None:
+        """One launch of a compiled block's fused kernel that reads and writes ``nbytes``."""
+        if not self.counting:
+            return
+        weight = repeats()
+        self.work.ops += weight
+        self.work.fused_kernels += weight
+        self.work.memory_bytes += nbytes * weight
+        self.work.fused_bytes += nbytes * weight
+
     def _crosses_nodes(self, group: dist.ProcessGroup) -> bool:
         name = group.group_name
         if name not in self._crosses:
@@ -279,7 +313,12 @@ class StepWorkCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         packet = func.overloadpacket
         name = packet.__name__
-        if not self.counting or name in _FREE or func.namespace in ("prim", "profiler"):
+        if (
+            not self.counting
+            or is_untracked()
+            or name in _FREE
+            or func.namespace in ("prim", "profiler")
+        ):
             return out
         weight = repeats()
         work = self.work

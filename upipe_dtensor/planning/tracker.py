@@ -11,14 +11,22 @@ Labels come from the Python call stack at allocation time: the attention, MLP an
 project, FSDP2's all-gather and reduce-scatter (model states), the optimizer, the activation
 offload; allocations before ``start_step()`` are model states too (parameters, buffers, optimizer
 state); the rest is "other", or "loss" inside the output head (final norm, projection, loss).
+
+Under ``torch.compile`` the tracker is switched off while a graph compiles and on while it runs
+(``ignore_compile_internals``), and a compiled graph's call of a project op runs the op's body
+with the tracker on (``register_torch_dispatch``), so the buffers inside it count as in eager.
+What inductor's generated code allocates itself does not dispatch: the planner's model of it is
+``planning.compiled``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
@@ -26,6 +34,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from upipe_dtensor.kernels.op_mode import project_ops
 
 MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
     "parameters + gradients + optimizer state",
@@ -44,6 +54,8 @@ kept while a checkpoint group recomputes."""
 GRADIENTS = "activation gradients"
 """Gradients autograd passes between ops (e.g. of a block's output and its residual stream),
 allocated by torch's C++ autograd functions rather than by this project's code."""
+FUSED = "compiled kernels"
+"""Compiled blocks' fused kernel outputs: residual sums, fused norms (``planning.compiled``)."""
 
 # (path suffix, function name or None for any) -> label; the innermost matching frame wins.
 # Checkpoint recompute is triggered from inside whichever backward first needs a saved tensor:
@@ -64,6 +76,7 @@ _RULES: tuple[tuple[str, str | None, str], ...] = (
     ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", None, MODEL_STATES),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", None, MODEL_STATES),
     ("torch/optim/", None, MODEL_STATES),
+    ("upipe_dtensor/planning/compiled.py", "launch", FUSED),
     # Innermost Python frame of a C++ autograd function's allocation (our own backward code is
     # matched by the rules above first).
     ("torch/autograd/graph.py", "_engine_run_backward", GRADIENTS),
@@ -105,6 +118,38 @@ def label_from_stack() -> str | None:
     return None
 
 
+_quiet = False
+
+
+@contextlib.contextmanager
+def untracked() -> Iterator[None]:
+    """Ops run here are neither tracked nor counted (``StepWorkCounter``): the planner works out
+    shapes of values a compiled kernel never stores (``planning.compiled``)."""
+    global _quiet
+    previous, _quiet = _quiet, True
+    try:
+        yield
+    finally:
+        _quiet = previous
+
+
+def is_untracked() -> bool:
+    return _quiet
+
+
+def run_op_bodies(mode_type: type[TorchDispatchMode]) -> None:
+    """Make ``mode_type`` run each project op's body with itself re-entered, so that it sees the
+    ops inside (a compiled graph calls the op itself: ``kernels.op_mode.call`` cannot switch)."""
+    for spec in project_ops().values():
+        if mode_type not in spec.op._torch_dispatch_fns:
+
+            def rule(mode, func, types, args, kwargs, body=spec.body):
+                with mode:
+                    return body(*args, **kwargs)
+
+            spec.op.register_torch_dispatch(mode_type, rule)
+
+
 @dataclass
 class Peak:
     """The largest total on one device, when it happened, and what was alive then by label."""
@@ -116,6 +161,10 @@ class Peak:
 
 class LiveMemoryTracker(TorchDispatchMode):
     """Counts live storage bytes per device and label; see the module docstring."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,6 +178,7 @@ class LiveMemoryTracker(TorchDispatchMode):
             int, tuple[weakref.ref, list]
         ] = {}  # id -> (storage ref, [device, label, bytes])
         self._original_resize = torch.UntypedStorage.resize_
+        self._depth = 0
 
     # -- phase bookkeeping (set by the planner and by module hooks) ----------------------------
 
@@ -185,15 +235,22 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def __enter__(self):
         tracker = self
-        torch.UntypedStorage.resize_ = lambda storage, size: tracker._resize(storage, size)
+        if not self._depth:  # re-entered by ``run_op_bodies``: patched once
+            run_op_bodies(LiveMemoryTracker)
+            torch.UntypedStorage.resize_ = lambda storage, size: tracker._resize(storage, size)
+        self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._original_resize
+        self._depth -= 1
+        if not self._depth:
+            torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if _quiet:
+            return out
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, DTensor):
                 leaf = leaf.to_local()
