@@ -111,6 +111,12 @@ GROWTH = {
         ((_chunks(64), 1), (_chunks(32), 2)),
         1,  # FSDP2's wait for the offloaded gradients, once per backward
     ),
+    "upipe compiled (blocks and tile kernels), both offloads: layers": (
+        ["--compile.enable", "true", *FULL, "--activation_checkpoint.cpu_offload", "true"]
+        + ["--training.enable_cpu_offload", "true"],
+        (([], 1), ([], 2)),
+        1,  # as above: a compiled block's own syncs are not seen (docs/gpu.md)
+    ),
 }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 _backend: str | None = None
+_around_calls: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def use_backend(backend: str | None) -> None:
@@ -45,6 +46,21 @@ def restored_backend() -> Iterator[None]:
         use_backend(previous)
 
 
+@contextlib.contextmanager
+def compiled_calls_inside(
+    context: Callable[[], contextlib.AbstractContextManager],
+) -> Iterator[None]:
+    """Run every compiled ``@fused`` call inside ``context()`` while this is on: the planner's
+    GPU rehearsal takes its torch-function mode off there, since dynamo traces the torch-function
+    modes it finds (``planning.rehearsal``)."""
+    global _around_calls
+    previous, _around_calls = _around_calls, context
+    try:
+        yield
+    finally:
+        _around_calls = previous
+
+
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, compiled with the backend of ``use_backend`` (once per backend) when one is set."""
     compiled: dict[str, Callable[..., Any]] = {}
@@ -55,6 +71,7 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
         if _backend not in compiled:
             compiled[_backend] = torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
-        return compiled[_backend](*args)
+        with _around_calls():
+            return compiled[_backend](*args)
 
     return run

@@ -45,6 +45,7 @@ norm for its log line and agrees on stop requests: a few reads per step, by desi
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import weakref
 from collections.abc import Iterable, Iterator
@@ -60,8 +61,10 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from upipe_dtensor.kernels import fused
 from upipe_dtensor.kernels.tiling import repeats
 from upipe_dtensor.memory import host_store
+from upipe_dtensor.planning.tracker import run_op_bodies
 
 _READS = {
     Tensor.item: ".item()",
@@ -234,6 +237,40 @@ class GpuRehearsal:
         for param in params:
             param.register_post_accumulate_grad_hook(gradient_arrived)
 
+    def outside_compiled_blocks(self, model: torch.nn.Module) -> None:
+        """Run each compiled block with this rehearsal's torch-function mode off: dynamo traces
+        the torch-function modes it finds into the graph it compiles (and cannot trace this
+        one), while the dispatch mode steps aside as the tracker does. What a compiled block
+        reads or copies on the host is then not seen (docs/gpu.md lists it); the compiled tile
+        kernels are run the same way (``step``)."""
+        for block in model.layers.values():
+            inner = getattr(block, "_checkpoint_wrapped_module", block)
+            compiled = getattr(inner, "_compiled_call_impl", None)
+            if compiled is not None:
+                inner._compiled_call_impl = functools.partial(self._functions_off_for, compiled)
+
+    def _functions_off_for(self, call, *args, **kwargs):
+        with self.functions_off():
+            return call(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def functions_off(self) -> Iterator[None]:
+        """This rehearsal's torch-function mode (and the modes above it) off for a while."""
+        popped = []
+        while torch.overrides._is_torch_function_mode_enabled():
+            popped.append(torch.overrides._pop_mode())
+            if popped[-1] is self._functions:
+                break
+        else:  # not on the stack: nothing to take off
+            for mode in reversed(popped):
+                torch.overrides._push_mode(mode)
+            popped = []
+        try:
+            yield
+        finally:
+            for mode in reversed(popped):
+                torch.overrides._push_mode(mode)
+
     # -- recording -----------------------------------------------------------------------------
 
     def _sync(self, what: str, site: str | None = None) -> None:
@@ -286,16 +323,29 @@ class GpuRehearsal:
     def step(self) -> Iterator[None]:
         """The rehearsed step: factories without a device make host tensors, the host store
         copies as on CUDA, and device reads are recorded (while ``counting``)."""
-        with host_store.rehearsing(), self._functions:
+        with (
+            host_store.rehearsing(),
+            fused.compiled_calls_inside(self.functions_off),
+            self._functions,
+        ):
             yield
 
 
 class _Dispatch(TorchDispatchMode):
     """Copies, collectives and FSDP2's host tensors, op by op."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while ``torch.compile`` compiles, on while its graphs run (as the tracker)."""
+        return True
+
     def __init__(self, owner: GpuRehearsal) -> None:
         super().__init__()
         self.owner = owner
+
+    def __enter__(self):
+        run_op_bodies(_Dispatch)  # a compiled graph's project ops: their bodies' ops seen too
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -405,6 +405,7 @@ def tracked_step(
     if rehearsal is not None:
         if config.training.enable_cpu_offload:
             rehearsal.hold_offloaded_state(trainer.model)
+        rehearsal.outside_compiled_blocks(trainer.model)
         step = rehearsal.step()
     with step:  # the loader's batch: host memory, as on a GPU job
         tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long)
