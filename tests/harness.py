@@ -1,4 +1,5 @@
-"""Shared test helpers: run a function on N gloo ranks, build tiny Llama3 models, compare."""
+"""Shared test helpers: run a function on N gloo ranks, build tiny Llama3 and Qwen3 models,
+compare."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
+from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+from torchtitan.models.qwen3.model.model import Qwen3Model
 
 from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
 from upipe_dtensor.runtime.errors import end_process
@@ -69,6 +72,32 @@ def tiny_llama(
     model = Transformer(args)
     with torch.no_grad():
         model.init_weights()
+    return model
+
+
+def tiny_qwen3(
+    n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int = 8, n_layers: int = 2, seed: int = 0
+) -> Qwen3Model:
+    """A small torchtitan Qwen3 (QK-norm, rotate-half RoPE) with deterministic weights; the
+    norms' weights are random too, so their gradients and the QK-norm's scale are exercised."""
+    args = Qwen3ModelArgs(
+        dim=n_heads * head_dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        hidden_dim=3 * n_heads * head_dim,
+        vocab_size=VOCAB,
+        max_seq_len=seq_len,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3Model(args)
+    with torch.no_grad():
+        model.init_weights()
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     return model
 
 

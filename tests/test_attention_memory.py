@@ -35,7 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from upipe_dtensor.kernels import rope
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.memory.host_store import HostMemory
-from upipe_dtensor.parallel.attention_op import AttentionParams
+from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward
 from upipe_dtensor.parallel.projections import forget_head_indices
 from upipe_dtensor.parallel.staged_attention import staged_backward, staged_forward
@@ -108,11 +108,12 @@ def _backward_peak(style: str, real: bool) -> int:
         wq, wk, wv = (torch.randn(h * HEAD_DIM, DIM, dtype=torch.bfloat16) for h in rows)
         wo = torch.randn(DIM, DIM, dtype=torch.bfloat16)
         table = torch.randn(TOKENS, HEAD_DIM // 2, 2)
-        y, out, lse = forward(x, wq, wk, wv, wo, table, None, params)
+        weights = AttentionWeights(wq, wk, wv, wo)
+        y, out, lse = forward(x, weights, table, None, params)
         grad_y = torch.randn_like(y)
         tracker.start_step()
         start = tracker.totals["cpu"]
-        backward(grad_y, x, wq, wk, wv, wo, table, None, out, lse, params)
+        backward(grad_y, x, weights, table, None, out, lse, params)
         return tracker.peaks["cpu"].bytes - start
 
 

@@ -139,7 +139,7 @@ def test_another_data_parallel_degree_is_refused_before_the_model(reference) -> 
         "saved with data-parallel degree 1 (cp 2 on 2 processes), this job has data-parallel "
         "degree 2 (cp 1 on 2)" in result.stderr
     )
-    assert "training debugmodel" not in result.stdout  # refused before the model was built
+    assert "training llama3 debugmodel" not in result.stdout  # refused before the model was built
 
 
 def test_corrupt_snapshot_falls_back_to_an_older_one_or_stops(reference, tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def test_ctrl_c_saves_and_a_resume_on_changed_data_is_refused(tmp_path: Path) ->
     )
     assert "documents read before the snapshot differ" in refused.stderr
     assert "set [checkpoint] accept_data_change = true" in refused.stderr
-    assert "training debugmodel" not in refused.stdout  # before the model
+    assert "training llama3 debugmodel" not in refused.stdout  # before the model
 
     accepted = subprocess.run(
         [*one_process, "--checkpoint.accept_data_change", "true"],
@@ -195,7 +195,7 @@ def test_ctrl_c_during_a_step_longer_than_the_grace_stops_at_once_and_twice_stop
 
     job = _slow_job(dump, 30.0, "--job.stop_grace_seconds", "60")
     try:
-        _wait_for(job, "training debugmodel")  # step 3 begins: 30 s long, of unknown length
+        _wait_for(job, "training llama3 debugmodel")  # step 3 begins: 30 s long, of unknown length
         _press_ctrl_c(job)
         time.sleep(1.5)
         pressed = time.monotonic()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.parallel import all_to_all, staged_attention
-from upipe_dtensor.parallel.attention_op import AttentionParams
+from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
 
 pytestmark = pytest.mark.unit
@@ -97,7 +97,7 @@ def _run(group_name: str, heads_per_stage: int, overlap: bool) -> None:
         backend="sdpa",
         overlap_stages=overlap,
     )
-    y = staged_attention.staged_attention(x, *weights, wo, rope, None, params)
+    y = staged_attention.staged_attention(x, AttentionWeights(*weights, wo), rope, None, params)
     y.sum().backward()
 
 

@@ -81,8 +81,8 @@ def test_layout_is_known_before_apply_or_refused(fake_world) -> None:
         )
 
 
-def test_applies_only_to_llama_attention(fake_world) -> None:
-    with pytest.raises(ValueError, match="lacks.*'layers.\\*.attention'"):
+def test_applies_only_to_registered_attention(fake_world) -> None:
+    with pytest.raises(ValueError, match="FeedForward is not one.*'layers.\\*.attention'"):
         _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention(), path="layers.*.feed_forward")
 
 

@@ -19,8 +19,7 @@ from typing import Any
 
 from upipe_dtensor.checkpointing.manifest import read_manifest
 from upipe_dtensor.config.schema import ConfigError, JobConfig
-from upipe_dtensor.models.hf_config import shape_fields
-from upipe_dtensor.models.llama3 import Llama3Args
+from upipe_dtensor.models.hf_config import ModelArgs, shape_fields
 
 INFORMATIVE = ("flavor",)
 """Recorded but not compared: a flavor and an ``hf`` config.json of the same shape are the same
@@ -38,7 +37,7 @@ _SET_BY = {
 hf_assets_path), so that a refusal blames where the value was written."""
 
 
-def model_record(config: JobConfig, args: Llama3Args) -> dict[str, Any]:
+def model_record(config: JobConfig, args: ModelArgs) -> dict[str, Any]:
     """What a snapshot records of the model: the family, the flavor, and every setting that
     changes the numbers (config.json names: shape, vocabulary, norm epsilon, RoPE)."""
     return {"name": config.model.name, "flavor": config.model.flavor, **shape_fields(args)}
@@ -54,7 +53,7 @@ def model_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple
 
 
 def check_model_unchanged(
-    snapshot: Path, config: JobConfig, args: Llama3Args, *, rank0: bool
+    snapshot: Path, config: JobConfig, args: ModelArgs, *, rank0: bool
 ) -> None:
     """ConfigError when ``snapshot`` was trained with other model settings than ``args`` (unless
     [checkpoint] accept_model_change; then rank 0 warns). Not collective: reads the manifest."""

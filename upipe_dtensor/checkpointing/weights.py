@@ -3,8 +3,9 @@
 Everything goes through torch.distributed.checkpoint (DCP), so a sharded model reads and writes
 only its own shards: DCP plans, for each rank, the slices of each stored tensor that overlap the
 rank's DTensor shards, and the Hugging Face reader reads just those slices from the safetensors
-files. No rank ever holds the whole model. The names and the RoPE permutation between torchtitan's
-layout and Hugging Face's are torchtitan's ``Llama3StateDictAdapter`` (see ``Llama3HFAdapter``).
+files. No rank ever holds the whole model. The names (and Llama3's RoPE permutation) between
+torchtitan's layout and Hugging Face's are the model family's torchtitan state-dict adapter
+(``models.family.ModelFamily.state_dict_adapter``).
 
 The same functions work on plain (unsharded) tensors, which is what ``convert`` uses.
 """
@@ -37,11 +38,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.tensor import DTensor, Shard
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from upipe_dtensor.checkpointing.outputs import publish_folder, temporary_sibling
-from upipe_dtensor.models.hf_config import hf_config_for, hf_shape_mismatch, read_hf_config
-from upipe_dtensor.models.llama3 import Llama3Args
+from upipe_dtensor.models.family import family_of
+from upipe_dtensor.models.hf_config import (
+    ModelArgs,
+    hf_config_for,
+    hf_shape_mismatch,
+    read_hf_config,
+)
 from upipe_dtensor.runtime.collectives import broadcast, on_rank0
 
 T = TypeVar("T")
@@ -58,27 +63,11 @@ HF_SIDE_FILES = (
 """Files copied next to exported weights, so the folder is a complete Hugging Face model."""
 
 
-class Llama3HFAdapter(Llama3StateDictAdapter):
-    """torchtitan's Llama3 <-> Hugging Face key map and RoPE permutation, for any head_dim.
-
-    torchtitan 0.2.2 sizes wk's permutation with head_dim = dim // n_heads, which is wrong when
-    n_heads * head_dim != dim (the 32B flavor; checkpoints with an explicit head_dim). The
-    permutation needs only the head count: every other size is the weight's own shape, which is
-    what torchtitan's ``_permute`` uses when no sizes are passed (as it does for wq).
-    """
-
-    def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
-        return super()._permute(w, n_heads_arg)
-
-    def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
-        return super()._reverse_permute(w, n_heads_arg)
-
-
-_ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
-
-
-def _by_columns(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with wq and wk re-sharded by columns (input features).
+def _by_columns(
+    state: dict[str, torch.Tensor], permuted: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """``state`` with the weights the adapter permutes (Llama3's wq and wk) re-sharded by
+    columns (input features).
 
     The adapter's RoPE permutation reorders rows within each head. FSDP2 shards rows, and when a
     rank's rows do not hold whole heads (8 KV heads on 16 ranks) DTensor cannot reorder them in
@@ -89,7 +78,7 @@ def _by_columns(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """
     resharded = dict(state)
     for key, value in state.items():
-        if key.endswith(_ROPE_PERMUTED) and isinstance(value, DTensor):
+        if permuted and key.endswith(permuted) and isinstance(value, DTensor):
             resharded[key] = value.redistribute(
                 value.device_mesh, [Shard(1)] * value.device_mesh.ndim
             )
@@ -148,7 +137,7 @@ def unloaded_hf_weights(config) -> str:
     )
 
 
-def check_initial_load(config, args: Llama3Args) -> None:
+def check_initial_load(config, args: ModelArgs) -> None:
     """ValueError naming the key and a fix when the initial weights cannot be loaded into
     ``args``."""
     checkpoint = config.checkpoint
@@ -258,19 +247,20 @@ def _hf_tied_embeddings(folder: str) -> bool:
     return bool(read_hf_config(folder).get("tie_word_embeddings", False))
 
 
-def load_hf_weights(model: nn.Module, args: Llama3Args, folder: str) -> None:
+def load_hf_weights(model: nn.Module, args: ModelArgs, folder: str) -> None:
     """Fill ``model`` (sharded or not) with the safetensors weights of a Hugging Face folder.
 
     Checkpoints with tied embeddings (Llama 3.2 1B/3B) have no ``lm_head.weight``: the output
     layer starts as a copy of the embeddings and is trained on its own from there.
     """
-    adapter = Llama3HFAdapter(args, None)  # the folder only matters for a save's file layout
+    family = family_of(args)
+    adapter = family.state_dict_adapter(args, None)  # the folder matters for a save's layout only
     tied = _hf_tied_embeddings(folder)
     options = StateDictOptions(strict=False)
     check_safetensors(folder)
     stored = HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata
     for group in _by_block(get_model_state_dict(model)):
-        hf_group = adapter.to_hf(_by_columns(group))
+        hf_group = adapter.to_hf(_by_columns(group, family.hf_rope_permuted))
         if tied:
             hf_group.pop("lm_head.weight", None)
         expected = {key: value.shape for key, value in hf_group.items()}
@@ -332,7 +322,7 @@ def _shared_token() -> str:
 
 def save_hf_weights(
     model: nn.Module,
-    args: Llama3Args,
+    args: ModelArgs,
     folder: str,
     *,
     dtype: torch.dtype,
@@ -362,7 +352,7 @@ def save_hf_weights(
 
 def _write_hf_folder(
     model: nn.Module,
-    args: Llama3Args,
+    args: ModelArgs,
     partial: Path,
     dtype: torch.dtype,
     base_folder: str,
@@ -370,9 +360,10 @@ def _write_hf_folder(
 ) -> None:
     """The Hugging Face folder of ``save_hf_weights``, written whole into ``partial``."""
     has_index = bool(base_folder) and (Path(base_folder) / "model.safetensors.index.json").is_file()
-    adapter = Llama3HFAdapter(args, base_folder if has_index else None)
+    family = family_of(args)
+    adapter = family.state_dict_adapter(args, base_folder if has_index else None)
     state = {key: value.to(dtype) for key, value in get_model_state_dict(model).items()}
-    hf_state = adapter.to_hf(_by_columns(state))
+    hf_state = adapter.to_hf(_by_columns(state, family.hf_rope_permuted))
     mapping = adapter.fqn_to_index_mapping
     if mapping:  # the base's file layout; weights it lacks (an untied lm_head) go in its last file
         last = max(mapping.values())

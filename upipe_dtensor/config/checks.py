@@ -298,9 +298,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "training.seq_len",
             cp_key,
         )
-    if config.model.name != "llama3":
-        fail(f"[model] name = {config.model.name!r}: only 'llama3' is supported", "model.name")
-    model_keys = ("model.flavor", "model.hf_assets_path", "training.seq_len")
+    model_keys = ("model.name", "model.flavor", "model.hf_assets_path", "training.seq_len")
     try:
         args = model_args(config.model, training.seq_len)
     except ValueError as err:

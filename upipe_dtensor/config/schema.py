@@ -42,10 +42,11 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family; only torchtitan's Llama3 is supported."""
+    """Model family (upipe_dtensor.models.family): 'llama3' or 'qwen3'."""
     flavor: str = "debugmodel"
-    """Size preset: debugmodel, 8B or 32B (see upipe_dtensor.models), or 'hf': the shape in
-    hf_assets_path/config.json (a named flavor must agree with that file when both are given)."""
+    """Size preset of the family (llama3: debugmodel, 8B, 32B; qwen3: debugmodel, 0.6B, 1.7B, 4B,
+    8B, 14B, 32B), or 'hf': the shape in hf_assets_path/config.json (a named flavor must agree
+    with that file when both are given)."""
     tokenizer_path: str = "assets/tokenizer"
     """Folder holding a Hugging Face tokenizer.json (or the file itself); empty means the one in
     hf_assets_path."""

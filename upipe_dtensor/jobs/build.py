@@ -29,9 +29,8 @@ from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, build_meshes,
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
 from upipe_dtensor.memory.host_store import to_device
 from upipe_dtensor.memory.offload import HostOffload
-from upipe_dtensor.models import Llama3, init_sharded_weights
-from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.models.llama3 import Llama3Args
+from upipe_dtensor.models import LongContextModel, family_of, init_sharded_weights
+from upipe_dtensor.models.hf_config import ModelArgs, model_args
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
 
@@ -57,7 +56,7 @@ def pick_device(config: JobConfig) -> torch.device:
 
 
 def resolve_attention(
-    config: JobConfig, args: Llama3Args, kernel_device: str, traced: bool
+    config: JobConfig, args: ModelArgs, kernel_device: str, traced: bool
 ) -> Choice:
     """[parallelism] attention_backend resolved for the device its kernels run on, the job's
     document masks, head_dim and compute dtype (ConfigError, before any process group)."""
@@ -125,7 +124,7 @@ class JobSetup:
     expensive part."""
 
     config: JobConfig
-    args: Llama3Args
+    args: ModelArgs
     tokenizer: Tokenizer
     device: torch.device
     host_device: torch.device
@@ -203,7 +202,7 @@ class ParallelModel:
     feed it."""
 
     setup: JobSetup
-    model: Llama3
+    model: LongContextModel
     cp_style: ContextParallelAttention
     """Its ``shard_positions`` says which tokens of a sequence this CP rank feeds."""
     host_offload: HostOffload | None
@@ -245,7 +244,7 @@ def build_parallel_model(config: JobConfig, setup: JobSetup | None = None) -> Pa
     initial weights (sharded; loaders overwrite them afterwards)."""
     setup = setup or set_up_job(config)
     with torch.device("meta"):
-        model = Llama3(setup.args)
+        model = family_of(setup.args).model_class(setup.args)
     parallelized = parallelize_llama(model, setup)
     model.to_empty(device=setup.device)
     init_sharded_weights(model, seed=config.training.seed, device=setup.device)

@@ -40,14 +40,14 @@ from upipe_dtensor.checkpointing.weights import (
 )
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, parse_args
 from upipe_dtensor.jobs.parallelize import DTYPES
+from upipe_dtensor.models import LongContextModel, family_of
 from upipe_dtensor.models.hf_config import args_from_hf, model_args, read_hf_config
-from upipe_dtensor.models.llama3 import Llama3, Llama3Args
 from upipe_dtensor.runtime.errors import run_main
 
 
-def _empty_model(args: Llama3Args) -> Llama3:
+def _empty_model(args) -> LongContextModel:
     with torch.device("meta"):
-        model = Llama3(args)
+        model = family_of(args).model_class(args)
     return model.to_empty(device="cpu")
 
 

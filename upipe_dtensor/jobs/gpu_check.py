@@ -354,7 +354,7 @@ def measure_step(config, plan: Plan) -> StepRow:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     return StepRow(
-        job=f"{config.model.flavor}, {seq_len:,} tokens, {plan.attention}"
+        job=f"{config.model.name} {config.model.flavor}, {seq_len:,} tokens, {plan.attention}"
         + (", FSDP CPU offload" if config.training.enable_cpu_offload else ""),
         tokens_per_s_per_gpu=seq_len / seconds / trainer.setup.cp,
         allocated_gib=(torch.cuda.max_memory_allocated() if cuda else 0) / GiB,

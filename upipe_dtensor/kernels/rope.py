@@ -1,9 +1,11 @@
 """Rotary position embedding on (batch, seq, heads, head_dim) tensors, and its transpose.
 
-Same convention as torchtitan's Llama3 (interleaved pairs rotated by complex ``freqs_cis``), but
-written on real cos/sin tables so the UPipe op can rotate one stage's heads in float32 and undo
-the rotation on gradients (the VJP of a rotation by theta is a rotation by -theta), a tile of
-tokens at a time.
+Two conventions of which elements of a head form a rotated pair, named by ``RopePairs``:
+torchtitan's Llama3 rotates interleaved pairs (2i, 2i+1) (complex ``freqs_cis``), Qwen3 and
+Hugging Face's ``rotate_half`` rotate the halves' pairs (i, i + d/2). Both rotate pair i by the
+same angle, so one real cos/sin table serves both. Written on real tables so the UPipe op can
+rotate one stage's heads in float32 and undo the rotation on gradients (the VJP of a rotation by
+theta is a rotation by -theta), a tile of tokens at a time.
 
 Our ``Llama3`` keeps no position table: its ``freqs_cis`` buffer holds the head_dim/2 inverse
 frequencies in float64 (:func:`rope_frequencies`), and :func:`rope_table` computes the angles of
@@ -16,6 +18,7 @@ only the result is cast to float32.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -23,6 +26,9 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.tiling import tile_starts
+
+RopePairs = Literal["interleaved", "half"]
+"""Which elements of a head are rotated together: (2i, 2i+1) (Llama3) or (i, i + d/2) (Qwen3)."""
 
 TILE_TOKENS = 16384
 """Tokens rotated (or given angles) at a time: the float32/float64 temporaries of one tile, not of
@@ -54,11 +60,16 @@ def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
 
     ``positions`` is (S,) or (B, S) global token indices (or per-document positions). ``freqs_cis``
     is either our float64 inverse frequencies (:func:`rope_frequencies`): the angles are computed
-    for these positions only, in float64, a tile at a time; or torchtitan's complex
-    (max_seq_len, head_dim/2) table, of which only these rows are read.
+    for these positions only, in float64, a tile at a time; or one of torchtitan's position
+    tables, of which only these rows are read: Llama3's complex (max_seq_len, head_dim/2), or
+    Qwen3's real ``rope_cache`` (max_seq_len, 2 * head_dim) = [cos, cos, sin, sin] of the angles.
     """
     if freqs_cis.is_complex():
         return torch.view_as_real(freqs_cis[positions]).float()
+    if freqs_cis.dim() == 2:  # Qwen3's rope_cache: each half repeats the head_dim/2 angles
+        half = freqs_cis.shape[1] // 4
+        rows = freqs_cis[positions]
+        return torch.stack((rows[..., :half], rows[..., 2 * half : 3 * half]), dim=-1).float()
     table = torch.empty(
         *positions.shape, freqs_cis.shape[0], 2, dtype=torch.float32, device=positions.device
     )
@@ -70,34 +81,36 @@ def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
     return table
 
 
-def _rotate(x: Tensor, table: Tensor, sign: float) -> Tensor:
+def _rotate(x: Tensor, table: Tensor, sign: float, pairs: RopePairs) -> Tensor:
     # table: (S, d/2, 2) or (B, S, d/2, 2) -> broadcast over batch and heads.
     if table.dim() == 3:
         table = table.unsqueeze(0)
     out = torch.empty_like(x)
     for start in tile_starts(out, x.shape[1], TILE_TOKENS):
         tile = slice(start, start + TILE_TOKENS)
-        _rotate_into(out[:, tile], x[:, tile], table[:, tile], sign)
+        _rotate_into(out[:, tile], x[:, tile], table[:, tile], sign, pairs == "half")
     return out
 
 
 @fused
-def _rotate_into(out: Tensor, x: Tensor, rows: Tensor, sign: float) -> None:
-    """One tile: ``out`` <- ``x`` with each pair rotated by its row's (cos, sign * sin)."""
+def _rotate_into(out: Tensor, x: Tensor, rows: Tensor, sign: float, halves: bool) -> None:
+    """One tile: ``out`` <- ``x`` with each pair rotated by its row's (cos, sign * sin); the
+    pairs are (i, i + d/2) with ``halves``, else (2i, 2i+1)."""
     cos, sin = rows[..., 0].unsqueeze(2), rows[..., 1].unsqueeze(2) * sign
-    pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = pairs[..., 0], pairs[..., 1]
+    shape, member = ((2, -1), -2) if halves else ((-1, 2), -1)
+    pairs = x.float().unflatten(-1, shape)
+    real, imag = pairs.select(member, 0), pairs.select(member, 1)
     # Written (and cast) straight into the output: no stacked float32 copy of the tile.
-    rotated = out.unflatten(-1, (-1, 2))
-    rotated[..., 0] = real * cos - imag * sin
-    rotated[..., 1] = real * sin + imag * cos
+    rotated = out.unflatten(-1, shape)
+    rotated.select(member, 0).copy_(real * cos - imag * sin)
+    rotated.select(member, 1).copy_(real * sin + imag * cos)
 
 
-def apply_rope(x: Tensor, table: Tensor) -> Tensor:
+def apply_rope(x: Tensor, table: Tensor, pairs: RopePairs = "interleaved") -> Tensor:
     """Rotate every head of ``x`` (B, S, h, d) by its position's angles."""
-    return _rotate(x, table, 1.0)
+    return _rotate(x, table, 1.0, pairs)
 
 
-def apply_rope_transpose(grad: Tensor, table: Tensor) -> Tensor:
+def apply_rope_transpose(grad: Tensor, table: Tensor, pairs: RopePairs = "interleaved") -> Tensor:
     """Gradient of ``apply_rope`` with respect to its input: rotate back."""
-    return _rotate(grad, table, -1.0)
+    return _rotate(grad, table, -1.0, pairs)

@@ -193,15 +193,24 @@ class TiledFeedForward(FeedForward):
         )
 
 
+_SWIGLU_MLPS: set[type[nn.Module]] = {FeedForward}
+"""MLP classes that compute ``w2(silu(w1(x)) * w3(x))`` with bias-free ``w1``, ``w2``, ``w3``
+(each model family registers its own: ``models.family``)."""
+
+
+def register_swiglu_mlp(cls: type[nn.Module]) -> None:
+    """Let ``apply_tiled_mlp`` tile ``cls`` modules (a family's SwiGLU MLP, as Llama3's)."""
+    _SWIGLU_MLPS.add(cls)
+
+
 def _check_swiglu(module: nn.Module | None, path: str) -> None:
-    is_swiglu = (
-        isinstance(module, FeedForward)
-        and type(module).forward in (FeedForward.forward, TiledFeedForward.forward)
-        and all(getattr(module, name).bias is None for name in ("w1", "w2", "w3"))
+    cls = type(module)
+    is_swiglu = (cls in _SWIGLU_MLPS or cls is TiledFeedForward) and all(
+        getattr(module, name).bias is None for name in ("w1", "w2", "w3")
     )
     if not is_swiglu:
         raise ValueError(
-            f"{path} is {type(module).__name__}, not torchtitan's bias-free SwiGLU FeedForward "
+            f"{path} is {type(module).__name__}, not a registered bias-free SwiGLU MLP "
             f"(w2(silu(w1(x)) * w3(x))), the only MLP the tiled MLP computes; set "
             f"[memory] tiled_mlp = false for this model"
         )
@@ -223,7 +232,7 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int = 0) -> None:
     if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
         raise ValueError(
             f"{type(model).__name__} has no `layers` container of TransformerBlocks; "
-            f"apply_tiled_mlp expects a torchtitan Llama3 Transformer"
+            f"apply_tiled_mlp expects a torchtitan Transformer of a registered model family"
         )
     blocks = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
     modules = []

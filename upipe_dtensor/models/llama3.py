@@ -14,25 +14,22 @@ applies (cp = 1 included); torchtitan's own attention expects the table.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import FeedForward, Transformer
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from upipe_dtensor.kernels.rope import rope_frequencies
-from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
+from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
+from upipe_dtensor.models.long_context import IGNORE_INDEX, LongContextModel
 
-IGNORE_INDEX = -100
-EVAL_CHUNK_TOKENS = 4096
-"""Tokens per chunk of per-token losses when [memory] loss_chunk_tokens is not set."""
+__all__ = ["IGNORE_INDEX", "FLAVORS", "Llama3", "Llama3Args", "build_llama3"]
+"""IGNORE_INDEX is re-exported: commands and tests import it from here."""
 
 
 @dataclass
@@ -81,8 +78,9 @@ FLAVORS: dict[str, Llama3Args] = {
 }
 
 
-class Llama3(Transformer):
-    """torchtitan ``Transformer`` with ``args.resolved_head_dim`` and ``args.resolved_ffn_dim``."""
+class Llama3(LongContextModel, Transformer):
+    """torchtitan ``Transformer`` with ``args.resolved_head_dim`` and ``args.resolved_ffn_dim``,
+    and the long-context forward (``models.long_context``)."""
 
     def __init__(self, args: Llama3Args) -> None:
         super().__init__(args)
@@ -102,80 +100,7 @@ class Llama3(Transformer):
                 mlp.w2 = nn.Linear(ffn_dim, args.dim, bias=False)
                 mlp.w3 = nn.Linear(args.dim, ffn_dim, bias=False)
 
-    loss_chunk_tokens: int = 0
-    """When > 0, ``forward(tokens, labels=...)`` fuses the output layer and cross-entropy over
-    chunks of this many tokens (set by the parallelize step from ``[memory] chunked_loss``)."""
-    checkpoint_groups: list = []
-    """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order
-    by ``forward``; empty: the blocks run one by one (each may checkpoint itself)."""
-    shard_rope: Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None = None
-    """The CP style's ``shard_rope`` (set by the parallelize step): ``forward`` computes this
-    rank's RoPE table once, from ``freqs_cis`` and the positions, and every block (and its
-    recompute) reads that one table. None: each block derives it from ``freqs_cis``."""
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        attention_masks=None,
-        positions: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        per_token: bool = False,
-    ) -> torch.Tensor:
-        """Logits, as torchtitan's forward computes them; or, given ``labels``, the summed
-        cross-entropy of the tokens
-        (``per_token``: each token's, as (B, S) float32 with 0 where the label is ignored).
-
-        The loss path runs inside the model's forward so the output weight is the gathered one
-        under FSDP2; with ``loss_chunk_tokens`` (and always with ``per_token``) it never
-        materialises the (tokens, vocab) logits.
-        """
-        h = self.tok_embeddings(tokens)
-        rope = self.freqs_cis
-        if self.shard_rope is not None:  # once per forward, not per block (nor per recompute)
-            rope, positions = self.shard_rope(self.freqs_cis, tokens.shape[1], positions), None
-        if self.checkpoint_groups:
-            for group in self.checkpoint_groups:
-                h = group(
-                    self.layers, h, rope, attention_masks=attention_masks, positions=positions
-                )
-        else:
-            for layer in self.layers.values():
-                h = layer(h, rope, attention_masks=attention_masks, positions=positions)
-        h = self.norm(h)
-        if labels is None:
-            return self.output(h)
-        if per_token:
-            return self._token_losses(h, labels)
-        if self.loss_chunk_tokens:
-            return chunked_cross_entropy_sum(
-                h,
-                self.output.weight,
-                labels,
-                chunk_tokens=self.loss_chunk_tokens,
-                ignore_index=IGNORE_INDEX,
-            )
-        logits = self.output(h)
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
-
-    def _token_losses(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Each token's cross-entropy, a chunk of tokens at a time (for evaluation, no autograd)."""
-        chunk = self.loss_chunk_tokens or EVAL_CHUNK_TOKENS
-        h_flat, labels_flat = h.flatten(0, 1), labels.flatten()
-        losses = torch.empty(labels_flat.shape, dtype=torch.float32, device=h.device)
-        for start in range(0, labels_flat.shape[0], chunk):
-            logits = self.output(h_flat[start : start + chunk]).float()
-            losses[start : start + chunk] = F.cross_entropy(
-                logits,
-                labels_flat[start : start + chunk],
-                ignore_index=IGNORE_INDEX,
-                reduction="none",
-            )
-        return losses.view(labels.shape)
+    ROPE_BUFFER = "freqs_cis"
 
     def _precompute_freqs_cis(self) -> torch.Tensor:
         """The (head_dim/2,) float64 inverse frequencies, not torchtitan's position table."""
@@ -193,60 +118,49 @@ def build_llama3(flavor: str, *, seq_len: int, vocab_size: int | None = None) ->
     return Llama3(args)
 
 
-def flops_per_token(model: nn.Module, args: Llama3Args, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per non-embedding parameter plus causal attention.
+_SUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+"""config.json fields and the only value our Llama3 implements."""
+_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
-    Causal attention does half of the 2 * 2 * S * d multiply-adds per head and token of full
-    attention in forward, times 3 for forward + backward.
+
+def args_from_hf(config: dict[str, Any], source: str) -> Llama3Args:
+    """The ``Llama3Args`` of a Hugging Face Llama ``config.json`` (``source`` names it in
+    errors)."""
+    check_supported(config, _SUPPORTED, source)
+    require(config, _SHAPE_KEYS, source, "Llama")
+    theta, scaling = rope_from_hf(config, source)
+    n_heads = config["num_attention_heads"]
+    return Llama3Args(
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+        ffn_dim=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta,
+        rope_scaling_args=scaling,
+    )
+
+
+class Llama3HFAdapter(Llama3StateDictAdapter):
+    """torchtitan's Llama3 <-> Hugging Face key map and RoPE permutation, for any head_dim.
+
+    torchtitan 0.2.2 sizes wk's permutation with head_dim = dim // n_heads, which is wrong when
+    n_heads * head_dim != dim (the 32B flavor; checkpoints with an explicit head_dim). The
+    permutation needs only the head count: every other size is the weight's own shape, which is
+    what torchtitan's ``_permute`` uses when no sizes are passed (as it does for wq).
     """
-    embedding = sum(p.numel() for p in model.tok_embeddings.parameters())
-    dense = sum(p.numel() for p in model.parameters()) - embedding
-    attention = 6 * args.n_layers * args.n_heads * args.resolved_head_dim * seq_len
-    return 6 * dense + attention
 
+    def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return super()._permute(w, n_heads_arg)
 
-def init_sharded_weights(model: Llama3, *, seed: int, device: torch.device) -> None:
-    """Fill ``model``'s (possibly FSDP-sharded) parameters with the values torchtitan's
-    ``init_weights`` gives the unsharded model for ``seed``, whatever the sharding.
-
-    DTensor random init depends on the mesh (on CPU every rank draws its own shard), so a cp=2 run
-    would start from other weights than cp=1. Here each part (embeddings/norm/output, then one
-    block at a time) is materialised whole on ``device`` under its own seed, initialised by
-    torchtitan's code, and only this rank's shard is kept; at most one block exists whole at once.
-    Fake parameters (memory planning, shape tests) have no values to fill: only buffers are built.
-    """
-    if is_fake(next(model.parameters())):
-        model.freqs_cis = model._precompute_freqs_cis().to(device)
-        return
-    with torch.device("meta"):
-        twin = Llama3(model.model_args)
-    blocks = twin.layers
-    twin.layers = nn.ModuleDict()  # the top-level part: embeddings, final norm, output
-    parts: list[tuple[nn.Module, nn.Module, Callable[[], None]]] = [
-        (model, twin, lambda: twin.init_weights(buffer_device=device))
-    ]
-    parts += [(model.layers[name], block, block.init_weights) for name, block in blocks.items()]
-    for index, (target, source, init) in enumerate(parts):
-        source.to_empty(device=device)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed * 1_000_003 + index)
-            with torch.no_grad():
-                init()
-        _copy_shards(target, source)
-        source.to_empty(device="meta")  # free the whole copy before the next part
-    model.freqs_cis = model._precompute_freqs_cis().to(device)
-
-
-@torch.no_grad()
-def _copy_shards(target: nn.Module, source: nn.Module) -> None:
-    """target.param <- this rank's shard of source.param, for every parameter of ``source``."""
-    # Checkpoint wrappers nest the block one level down; state dicts hide that, so do we.
-    params = {
-        name.replace(f"{_CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()
-    }
-    for name, full in source.named_parameters():
-        param = params[name]
-        if isinstance(param, DTensor):
-            # src_data_rank=None: every rank slices its own copy, no communication.
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.copy_(full)
+    def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return super()._reverse_permute(w, n_heads_arg)

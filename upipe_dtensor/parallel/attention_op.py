@@ -5,15 +5,19 @@ whole-sequence tensors, and the fake implementations give it the output shapes. 
 op has the same tensors in and out and the same plain values (``AttentionParams``, one frozen
 record), so the schema is built here once, from the record's fields:
 
-    forward (x, wq, wk, wv, wo, rope, doc_ids?, *params) -> (y, out, lse)
-    backward(grad_y, x, wq, wk, wv, wo, rope, doc_ids?, out, lse, *params)
-             -> (grad_x, grad_wq, grad_wk, grad_wv, grad_wo)
+    forward (x, wq, wk, wv, wo, q_norm?, k_norm?, rope, doc_ids?, *params) -> (y, out, lse)
+    backward(grad_y, x, <weights>, rope, doc_ids?, out, lse, *params)
+             -> (grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm, grad_k_norm)
 
-The op bodies receive the record itself: ``forward(x, wq, wk, wv, wo, rope, doc_ids, params)``.
-``y = out @ wo.T`` is the layer's output; ``out`` (the pre-``wo`` attention output) and ``lse``
-(one log-sum-exp per head and token, float32) are saved for backward. Taking ``wo`` inside lets
-backward form each stage's slice of the pre-``wo`` gradient from ``grad_y`` directly, so the whole
-(tokens, H*d) gradient is never materialised.
+The op bodies receive the weights and the values as records:
+``forward(x, weights, rope, doc_ids, params)`` and
+``backward(grad_y, x, weights, rope, doc_ids, out, lse, params) -> (grad_x, grads)``, where
+``weights`` is an ``AttentionWeights`` (the projections, and the per-head norms of families with
+QK-norm, e.g. Qwen3) and ``grads`` the same record of their gradients. Adding a weight is one
+field of that record. ``y = out @ wo.T`` is the layer's output; ``out`` (the pre-``wo`` attention
+output) and ``lse`` (one log-sum-exp per head and token, float32) are saved for backward. Taking
+``wo`` inside lets backward form each stage's slice of the pre-``wo`` gradient from ``grad_y``
+directly, so the whole (tokens, H*d) gradient is never materialised.
 
 When backward receives the ``out`` of a forward that ran inside autograd's backward (an activation
 checkpoint's recompute), that tensor serves this backward only: torch's non-reentrant checkpoint
@@ -34,6 +38,7 @@ import typing
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,7 +46,28 @@ from torch import Tensor
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.memory.kept_attention import in_backward, kept_forward
 
-_TENSORS = "Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor wo, Tensor rope, Tensor? doc_ids"
+
+class AttentionWeights(NamedTuple):
+    """One attention layer's weights as the op takes them: the bias-free projections (rows are
+    heads of ``head_dim``), and the per-head norms of Q and K before RoPE (Qwen3's QK-norm;
+    None for families without, e.g. Llama3)."""
+
+    wq: Tensor
+    wk: Tensor
+    wv: Tensor
+    wo: Tensor
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+
+
+_OPTIONAL_WEIGHTS = ("q_norm", "k_norm")
+_WEIGHTS = ", ".join(
+    f"Tensor{'?' if name in _OPTIONAL_WEIGHTS else ''} {name}" for name in AttentionWeights._fields
+)
+_TENSORS = f"Tensor x, {_WEIGHTS}, Tensor rope, Tensor? doc_ids"
+_N_TENSORS = 3 + len(AttentionWeights._fields)
+"""x, the weights, rope and doc_ids: the op's tensor arguments, in the schema's order."""
+_GRADS = ", ".join("Tensor" for _ in range(1 + len(AttentionWeights._fields)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +89,15 @@ class AttentionParams:
     chunks: int = 1
     """FPDT's sequence chunks (1: the whole sequence in each stage)."""
     scale: float
-    """Softmax scale (head_dim ** -0.5 for Llama3)."""
+    """Softmax scale (head_dim ** -0.5 for Llama3 and Qwen3)."""
+    rope_pairs: str = "interleaved"
+    """Which elements of a head RoPE rotates together (``kernels.rope.RopePairs``): Llama3's
+    interleaved pairs or Qwen3's halves."""
+    qk_transform: str = ""
+    """The per-head function of Q and K before RoPE (``parallel.qk_transform``; "" for none,
+    "rms_norm" for Qwen3's QK-norm)."""
+    qk_eps: float = 0.0
+    """The epsilon of ``qk_transform``."""
     backend: str
     """Local attention backend (``kernels.backends.BACKENDS``)."""
     kernel_device: str = ""
@@ -103,18 +137,26 @@ def _flat(params: AttentionParams) -> tuple:
 
 
 class AttentionOp:
-    """A registered attention op: ``op(x, wq, wk, wv, wo, rope, doc_ids, params) -> y``."""
+    """A registered attention op: ``op(x, weights, rope, doc_ids, params) -> y``."""
 
     def __init__(self, name: str, forward: Callable, backward: Callable) -> None:
-        """``forward(x, wq, wk, wv, wo, rope, doc_ids, params) -> (y, out, lse)`` and
-        ``backward(grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, params) -> grads``."""
+        """``forward(x, weights, rope, doc_ids, params) -> (y, out, lse)`` and
+        ``backward(grad_y, x, weights, rope, doc_ids, out, lse, params) -> (grad_x, grads)``,
+        with ``weights`` and ``grads`` ``AttentionWeights``."""
 
         def forward_body(*args):
-            params = _params(args[7:])
-            return kept_forward(params.keep, args[4], lambda: forward(*args[:7], params))
+            x, weights, rope, doc_ids = _inputs(args[:_N_TENSORS])
+            params = _params(args[_N_TENSORS:])
+            return kept_forward(
+                params.keep, weights.wo, lambda: forward(x, weights, rope, doc_ids, params)
+            )
 
-        def backward_body(*args):
-            return backward(*args[:10], _params(args[10:]))
+        def backward_body(grad_y, *args):
+            x, weights, rope, doc_ids = _inputs(args[:_N_TENSORS])
+            out, lse = args[_N_TENSORS : _N_TENSORS + 2]
+            params = _params(args[_N_TENSORS + 2 :])
+            grad_x, grads = backward(grad_y, x, weights, rope, doc_ids, out, lse, params)
+            return grad_x, *(x.new_empty(0) if g is None else g for g in grads)
 
         forward_op = torch.library.custom_op(
             f"upipe::{name}_fwd",
@@ -127,7 +169,7 @@ class AttentionOp:
             backward_body,
             mutates_args=(),
             schema=f"(Tensor grad_y, {_TENSORS}, Tensor out, Tensor lse, {_PARAMS_SCHEMA}) "
-            f"-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+            f"-> ({_GRADS})",
         )
         forward_op.register_fake(_fake_forward)
         backward_op.register_fake(_fake_backward)
@@ -136,31 +178,35 @@ class AttentionOp:
         self.backward = OpSpec(backward_op, backward_body)
 
     def _backward(self, ctx, grad_y: Tensor, _grad_out: Tensor | None, _grad_lse: Tensor | None):
-        x, wq, wk, wv, wo, rope, doc_ids, out, lse = ctx.saved_tensors
+        *tensors, out, lse = ctx.saved_tensors
         scratch = _recomputed(out)
         params = dataclasses.replace(_params(ctx.constants), output_is_scratch=scratch)
-        grads = call(
-            self.backward, grad_y, x, wq, wk, wv, wo, rope, doc_ids, out, lse, *_flat(params)
-        )
-        return (*grads, None, None) + (None,) * len(_PARAM_FIELDS)
+        grad_x, *grads = call(self.backward, grad_y, *tensors, out, lse, *_flat(params))
+        weights = _inputs(tensors)[1]
+        grads = [None if w is None else g for w, g in zip(weights, grads)]
+        return (grad_x, *grads, None, None) + (None,) * len(_PARAM_FIELDS)
 
     def __call__(
         self,
         x: Tensor,
-        wq: Tensor,
-        wk: Tensor,
-        wv: Tensor,
-        wo: Tensor,
+        weights: AttentionWeights,
         rope: Tensor,
         doc_ids: Tensor | None,
         params: AttentionParams,
     ) -> Tensor:
-        y, _, _ = call(self.forward, x, wq, wk, wv, wo, rope, doc_ids, *_flat(params))
+        y, _, _ = call(self.forward, x, *weights, rope, doc_ids, *_flat(params))
         return y
 
 
-def _fake_forward(x, wq, wk, wv, wo, rope, doc_ids, *values):
-    params = _params(values)
+def _inputs(tensors) -> tuple[Tensor, AttentionWeights, Tensor, Tensor | None]:
+    """(x, weights, rope, doc_ids) from the op's tensor arguments in schema order."""
+    x, *weights, rope, doc_ids = tensors
+    return x, AttentionWeights(*weights), rope, doc_ids
+
+
+def _fake_forward(*args):
+    x, (wq, _, _, wo, *_), _, _ = _inputs(args[:_N_TENSORS])
+    params = _params(args[_N_TENSORS:])
     batch, local_len, _ = x.shape
     y = x.new_empty(batch, local_len, wo.shape[0])
     out = x.new_empty(batch, local_len, wq.shape[0])
@@ -174,14 +220,17 @@ def _fake_forward(x, wq, wk, wv, wo, rope, doc_ids, *values):
     return y, out, lse
 
 
-def _fake_backward(grad_y, x, wq, wk, wv, wo, *args):
-    return tuple(torch.empty_like(t) for t in (x, wq, wk, wv, wo))
+def _fake_backward(grad_y, *args):
+    x, weights, _, _ = _inputs(args[:_N_TENSORS])
+    return torch.empty_like(x), *(
+        x.new_empty(0) if w is None else torch.empty_like(w) for w in weights
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, wq, wk, wv, wo, rope, doc_ids, *constants = inputs
+    tensors, constants = inputs[:_N_TENSORS], inputs[_N_TENSORS:]
     _, out, lse = output
-    ctx.save_for_backward(x, wq, wk, wv, wo, rope, doc_ids, out, lse)
+    ctx.save_for_backward(*tensors, out, lse)
     ctx.constants = constants
     ctx.set_materialize_grads(False)  # only grad_y is ever used: no zero-filled out/lse gradients
     if in_backward():  # a checkpoint's recompute: its output serves one backward

@@ -7,7 +7,7 @@ the all-to-all of chunk i gathers one contiguous global range and causality hold
 For each head stage (one stage of all H heads is FPDT as published; U < H stages are UPipe x
 FPDT, heads and sequence both chunked) and each chunk i:
 
-    q_i, k_i, v_i = all_to_all(rope(x_i @ w.T))       (B, S/u, U/C, d)  global chunk i, own heads
+    q_i, k_i, v_i = all_to_all(rope(qk(x_i @ w.T)))   (B, S/u, U/C, d)  global chunk i, own heads
     o_i, lse_i    = causal(q_i, k_i, v_i)              the diagonal block
     for j < i:      fetch k_j, v_j from the host        one earlier chunk on the device at a time
                     (o_i, lse_i) <- merge with full(q_i, k_j, v_j)     online softmax, float32
@@ -51,18 +51,18 @@ from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import PartialAttention, accumulator
 from upipe_dtensor.kernels.tiling import visited
 from upipe_dtensor.memory.host_store import HostStore, Parked, named_host_store
-from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
+from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.layouts import split_lengths
 from upipe_dtensor.parallel.projections import AttentionProjections
+from upipe_dtensor.parallel.qk_transform import QKTransform
 
 
 class _Chunks:
     """The per-call constants: one ``AttentionProjections`` per chunk, and where each chunk sits
     in the local shard and in the global sequence."""
 
-    def __init__(
-        self, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, params: AttentionParams
-    ) -> None:
+    def __init__(self, x: Tensor, weights: AttentionWeights, params: AttentionParams) -> None:
+        self.qk = QKTransform(weights, params)
         self.local = []  # [start, end) of each chunk in the local shard
         self.gathered = []  # [start, end) of each chunk in the global sequence (after all-to-all)
         start = 0
@@ -72,7 +72,9 @@ class _Chunks:
                 slice(start * params.head_degree, (start + length) * params.head_degree)
             )
             start += length
-        self.spans = [AttentionProjections(x[:, rows], wq, wk, wv, params) for rows in self.local]
+        self.spans = [
+            AttentionProjections(x[:, rows], weights, params, self.qk) for rows in self.local
+        ]
         self.schedule = self.spans[0].schedule
 
 
@@ -113,17 +115,14 @@ class _Parking:
 
 def fpdt_forward(
     x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    weights: AttentionWeights,
     rope: Tensor,
     doc_ids: Tensor | None,
     params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The chunk loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
     lse (stages, B, U/C, S) float32)."""
-    layer = _Chunks(x, wq, wk, wv, params)
+    layer = _Chunks(x, weights, params)
     schedule, backend, scale = (
         layer.schedule,
         op_kernel(params.backend, params.kernel_device, x, documents=doc_ids is not None),
@@ -187,28 +186,26 @@ def fpdt_forward(
         if stage.closes_kv_block:
             parking.clear()
     out = out.view(x.shape[0], x.shape[1], -1)
-    return out @ wo.t(), out, lse
+    return out @ weights.wo.t(), out, lse
 
 
 def fpdt_backward(
     grad_y: Tensor,
     x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    weights: AttentionWeights,
     rope: Tensor,
     doc_ids: Tensor | None,
     out: Tensor,
     lse: Tensor,
     params: AttentionParams,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The paper's backward order per stage; returns (dx, dwq, dwk, dwv, dwo). Sums across
+) -> tuple[Tensor, AttentionWeights]:
+    """The paper's backward order per stage; returns (dx, the weights' gradients). Sums across
     chunks (dwk, dwv, dQ, dK, dV) and a KV block's stages (dK, dV) are float32. Each final dQ_i
     waits in its rows and stage heads of one (B, S/C, H, d) buffer, and dx += dQ @ wq and
     dwq = dQ.T @ x are one product each at the end, as in ``staged_backward``; dx is created
     when the first KV block closes."""
-    layer = _Chunks(x, wq, wk, wv, params)
+    layer = _Chunks(x, weights, params)
+    wq, wk, wv, wo = weights.wq, weights.wk, weights.wv, weights.wo
     schedule, backend, scale = (
         layer.schedule,
         op_kernel(params.backend, params.kernel_device, x, documents=doc_ids is not None),
@@ -318,9 +315,10 @@ def fpdt_backward(
             del grad_k_j, grad_v_j
         if stage.closes_kv_block:
             parking.clear()
-    grad_wq = AttentionProjections(x, wq, wk, wv, params).queries_backward(grads_q, grad_x)
+    grad_wq = AttentionProjections(x, weights, params, layer.qk).queries_backward(grads_q, grad_x)
     grads = (grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv))
-    return (*(g.to(t.dtype) for g, t in zip(grads, (x, wq, wk, wv))), grad_wo)
+    grad_x, grad_wq, grad_wk, grad_wv = (g.to(t.dtype) for g, t in zip(grads, (x, wq, wk, wv)))
+    return grad_x, AttentionWeights(grad_wq, grad_wk, grad_wv, grad_wo, *layer.qk.weight_grads())
 
 
 _OP = AttentionOp("fpdt", fpdt_forward, fpdt_backward)
@@ -328,15 +326,13 @@ _OP = AttentionOp("fpdt", fpdt_forward, fpdt_backward)
 
 def fpdt_attention(
     x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    weights: AttentionWeights,
     rope: Tensor,
     doc_ids: Tensor | None,
     params: AttentionParams,
 ) -> Tensor:
-    """Differentiable FPDT attention including the output projection ``wo`` of a chunk-strided
+    """Differentiable FPDT attention including the output projection ``weights.wo`` of a
+    chunk-strided
     shard; see the module docstring. ``params.chunks`` sequence chunks; ``params.store_name``
     names the host store (``memory.host_store.named_host_store``) for parked chunks."""
-    return _OP(x, wq, wk, wv, wo, rope, doc_ids, params)
+    return _OP(x, weights, rope, doc_ids, params)

@@ -1,5 +1,6 @@
 """The head-stage plumbing every Ulysses-family op shares: project a stage's heads from the local
-shard, rotate them, exchange them between the sequence and head layouts, and write results back.
+shard, transform them (the family's QK-norm, ``qk_transform``) and rotate them, exchange them
+between the sequence and head layouts, and write results back.
 
 ``AttentionProjections`` holds the per-call constants of one attention layer (head schedule,
 process groups, shapes, weight views) for a span of the local sequence: the whole shard (UPipe,
@@ -25,8 +26,9 @@ from upipe_dtensor.parallel.all_to_all import (
     start_heads_to_sequence,
     start_sequence_to_heads,
 )
-from upipe_dtensor.parallel.attention_op import AttentionParams
+from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.head_schedule import HeadSchedule, Stage, make_head_schedule
+from upipe_dtensor.parallel.qk_transform import QKTransform
 
 UNSHARDED_DX_ROUNDINGS = 5
 """How often the unsharded model rounds an attention layer's dx in bf16: three products (through
@@ -69,11 +71,15 @@ def resolve_group(group_name: str, size: int) -> dist.ProcessGroup | None:
 
 
 class AttentionProjections:
-    """One layer's projections of a span of the local sequence ``x`` (B, L, D)."""
+    """One layer's projections of a span of the local sequence ``x`` (B, L, D). ``qk`` is the
+    layer call's per-head transform of Q and K, shared by every span of the call."""
 
     def __init__(
-        self, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, params: AttentionParams
+        self, x: Tensor, weights: AttentionWeights, params: AttentionParams, qk: QKTransform
     ) -> None:
+        wq, wk, wv = weights.wq, weights.wk, weights.wv
+        self.qk = qk
+        self.rope_pairs = params.rope_pairs
         self.batch, self.local_len, self.dim = x.shape
         self.head_dim = head_dim = params.head_dim
         self.schedule: HeadSchedule = make_head_schedule(
@@ -123,7 +129,8 @@ class AttentionProjections:
         """K (rotated) and V of one KV block, replicated if needed, on their way to the head
         layout."""
         rep = self.schedule.kv_replication
-        k = apply_rope(self.project(self.block_rows(self.wk, block)), rope)
+        k = self.qk.forward(self.project(self.block_rows(self.wk, block)), "k")
+        k = apply_rope(k, rope, self.rope_pairs)
         v = self.project(self.block_rows(self.wv, block))
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -135,7 +142,8 @@ class AttentionProjections:
         return k.result(), v.result()
 
     def start_query_for_stage(self, stage: Stage, rope: Tensor) -> Exchange:
-        return self.start_to_heads(apply_rope(self.project(self.stage_rows(self.wq, stage)), rope))
+        q = self.qk.forward(self.project(self.stage_rows(self.wq, stage)), "q")
+        return self.start_to_heads(apply_rope(q, rope, self.rope_pairs))
 
     def query_for_stage(self, stage: Stage, rope: Tensor) -> Tensor:
         return self.start_query_for_stage(stage, rope).result()
@@ -186,7 +194,9 @@ class AttentionProjections:
         """The stage's query gradient, started back to the sequence layout: once it arrives,
         rotated back and written into the stage's heads of ``grads`` (B, L, H, d), where every
         stage's query gradient waits for ``queries_backward``."""
-        self.write_stage(grads, stage, apply_rope_transpose(grad_q.result(), rope))
+        grad = apply_rope_transpose(grad_q.result(), rope, self.rope_pairs)
+        grad = self.qk.backward(lambda: self.project(self.stage_rows(self.wq, stage)), grad, "q")
+        self.write_stage(grads, stage, grad)
 
     def queries_backward(self, grads: Tensor, grad_x: Tensor) -> Tensor:
         """From every query head's gradient ``grads`` (B, L, H, d) in the model's head order:
@@ -209,7 +219,10 @@ class AttentionProjections:
         """From a KV block's K/V gradients in the head layout (float32 sums over its stages,
         chunks or ring steps, or one stage's kernel output): grad_x += dk @ wk + dv @ wv for the
         block's heads, and the block's rows of grad_wk/grad_wv += d.T @ x."""
-        grad_k = apply_rope_transpose(self._kv_grad(grad_k_h), rope)
+        grad_k = apply_rope_transpose(self._kv_grad(grad_k_h), rope, self.rope_pairs)
+        grad_k = self.qk.backward(
+            lambda: self.project(self.block_rows(self.wk, block)), grad_k, "k"
+        )
         grad_v = self._kv_grad(grad_v_h)
         start, stop = self.schedule.kv_block_heads(block)
         for grad, weight, grad_weight in ((grad_k, self.wk, grad_wk), (grad_v, self.wv, grad_wv)):

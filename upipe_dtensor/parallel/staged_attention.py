@@ -6,7 +6,7 @@ input; output is the layer's output ``out @ wo.T`` (B, S/C, D), where ``out`` is
 output in the model's own head order, so pretrained checkpoints apply unchanged. For each stage of
 U query heads (U a multiple of the head-axis degree C_h; U = H is classic Ulysses):
 
-    q   = rope(x @ wq[stage heads].T)                 (B, S/C, U, d)     local sequence, U heads
+    q   = rope(qk(x @ wq[stage heads].T))             (B, S/C, U, d)     local sequence, U heads
     q_h = all_to_all(q)                               (B, S/R, U/C_h, d) ring rank's tokens, own
     heads
     o_h, lse = attention(q_h, k_h, v_h)               k_h, v_h from the stage's KV block
@@ -65,9 +65,10 @@ from torch import Tensor
 from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import add_piece
 from upipe_dtensor.parallel.all_to_all import Exchange
-from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams
+from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.head_schedule import Stage
 from upipe_dtensor.parallel.projections import AttentionProjections, resolve_group
+from upipe_dtensor.parallel.qk_transform import QKTransform
 from upipe_dtensor.parallel.ring import Ring, ring_attention_backward, ring_attention_forward
 
 
@@ -75,15 +76,9 @@ class _Layer(AttentionProjections):
     """The projections of the whole local shard, plus the ring the stages attend across."""
 
     def __init__(
-        self,
-        x: Tensor,
-        wq: Tensor,
-        wk: Tensor,
-        wv: Tensor,
-        params: AttentionParams,
-        doc_ids: Tensor | None,
+        self, x: Tensor, weights: AttentionWeights, params: AttentionParams, doc_ids: Tensor | None
     ) -> None:
-        super().__init__(x, wq, wk, wv, params)
+        super().__init__(x, weights, params, QKTransform(weights, params))
         group = resolve_group(params.ring_group, params.ring_degree)
         self.ring = Ring(group, group.rank() if group is not None else 0, params.ring_degree)
         self.backend = op_kernel(
@@ -128,17 +123,14 @@ def _next(stages: tuple[Stage, ...], index: int, overlap: bool) -> Stage | None:
 
 def staged_forward(
     x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    weights: AttentionWeights,
     rope: Tensor,
     doc_ids: Tensor | None,
     params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The stage loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
     lse (stages, B, U/C_h, S/R) float32)."""
-    layer = _Layer(x, wq, wk, wv, params, doc_ids)
+    layer = _Layer(x, weights, params, doc_ids)
     stages = layer.schedule.stages
     out = x.new_empty(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
     lse = x.new_empty(
@@ -173,23 +165,21 @@ def staged_forward(
     if returning is not None:
         layer.write_stage(out, returning[0], returning[1].result())
     out = out.view(layer.batch, layer.local_len, -1)
-    return out @ wo.t(), out, lse
+    return out @ weights.wo.t(), out, lse
 
 
 def staged_backward(
     grad_y: Tensor,
     x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    weights: AttentionWeights,
     rope: Tensor,
     doc_ids: Tensor | None,
     out: Tensor,
     lse: Tensor,
     params: AttentionParams,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, dwq, dwk, dwv, dwo).
+) -> tuple[Tensor, AttentionWeights]:
+    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, the weights'
+    gradients).
 
     Each stage's dQ, back in the sequence layout, waits in its heads of a (B, S/C, H, d) buffer:
     the saved output itself when it is scratch (``AttentionParams.output_is_scratch``; a stage's
@@ -198,7 +188,8 @@ def staged_backward(
     no dx is held while the stages run. A KV block's dK, dV are summed over its stages in float32
     (``merge.add_piece``; a block of one stage keeps the kernel's own). The sums are in stage
     order whether or not the stages overlap."""
-    layer = _Layer(x, wq, wk, wv, params, doc_ids)
+    layer = _Layer(x, weights, params, doc_ids)
+    wo = weights.wo
     stages = layer.schedule.stages
     per_block = layer.schedule.stages_per_kv_block
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
@@ -257,12 +248,12 @@ def staged_backward(
             k_h = v_h = grad_k_h = grad_v_h = None
 
     grad_wq = layer.queries_backward(grads_q, grad_x)
-    return (
-        grad_x.to(x.dtype),
-        grad_wq.view_as(wq),
-        grad_wk.view_as(wk),
-        grad_wv.view_as(wv),
+    return grad_x.to(x.dtype), AttentionWeights(
+        grad_wq.view_as(weights.wq),
+        grad_wk.view_as(weights.wk),
+        grad_wv.view_as(weights.wv),
         grad_wo,
+        *layer.qk.weight_grads(),
     )
 
 
@@ -271,20 +262,17 @@ _OP = AttentionOp("attention", staged_forward, staged_backward)
 
 def staged_attention(
     x: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    weights: AttentionWeights,
     rope: Tensor,
     doc_ids: Tensor | None,
     params: AttentionParams,
 ) -> Tensor:
-    """Differentiable staged attention including the output projection ``wo``; see the module
-    docstring. Returns the layer output (B, S/C, D).
+    """Differentiable staged attention including the output projection ``weights.wo``; see the
+    module docstring. Returns the layer output (B, S/C, D).
 
     ``rope`` is the real RoPE table at this shard's global positions, (S/C, d/2, 2) or
     (B, S/C, d/2, 2), from ``kernels.rope.rope_table``. ``params.head_degree`` is the head-axis
     degree C_h; ``params.ring_degree`` R > 1 adds a ring axis across which each stage's attention
     runs as ring attention (2D UPipe; with C_h = 1 and U = H, plain ring attention).
     """
-    return _OP(x, wq, wk, wv, wo, rope, doc_ids, params)
+    return _OP(x, weights, rope, doc_ids, params)

@@ -24,6 +24,12 @@ from upipe_dtensor.kernels.backends import BACKENDS, CUDA_BACKENDS, check_kernel
 from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.host_store import HostMemory
 from upipe_dtensor.memory.kept_attention import KeptAttention
+from upipe_dtensor.parallel.attention_kinds import (
+    attention_kind,
+    attention_weights,
+    qk_eps,
+    unused_parameters,
+)
 from upipe_dtensor.parallel.attention_op import AttentionParams
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
@@ -121,6 +127,7 @@ class ContextParallelAttention(ParallelStyle):
 
     def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
         """The attention op's plain values for this module on these axes."""
+        kind, eps = attention_kind(module), qk_eps(module)
         return AttentionParams(
             head_group=axes.head_group,
             head_degree=axes.head_degree,
@@ -129,6 +136,9 @@ class ContextParallelAttention(ParallelStyle):
             head_dim=module.head_dim,
             heads_per_stage=self._stage_heads(module.n_heads, axes.head_degree),
             scale=module.head_dim**-0.5,
+            rope_pairs=kind.rope_pairs,
+            qk_transform=kind.qk_transform if eps else "",
+            qk_eps=eps,
             backend=self.backend,
             kernel_device=self.kernel_device or "",
             keep="" if self.kept is None or not torch.is_grad_enabled() else self.kept.name,
@@ -137,16 +147,7 @@ class ContextParallelAttention(ParallelStyle):
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
         """The layer's output (after ``wo``) for this rank's shard ``x``."""
         params = self._params(module, axes, x.shape[1] * axes.cp_degree)
-        return staged_attention(
-            x,
-            module.wq.weight,
-            module.wk.weight,
-            module.wv.weight,
-            module.wo.weight,
-            rope,
-            doc_ids,
-            params,
-        )
+        return staged_attention(x, attention_weights(module), rope, doc_ids, params)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_attention_module(module)
@@ -320,16 +321,7 @@ class UPipeAttention(ContextParallelAttention):
         if self.chunk_tokens is None:
             return super()._attend(module, axes, x, rope, doc_ids)
         params = self._params(module, axes, x.shape[1] * axes.cp_degree)
-        return fpdt_attention(
-            x,
-            module.wq.weight,
-            module.wk.weight,
-            module.wv.weight,
-            module.wo.weight,
-            rope,
-            doc_ids,
-            params,
-        )
+        return fpdt_attention(x, attention_weights(module), rope, doc_ids, params)
 
 
 class UlyssesAttention(UPipeAttention):
@@ -428,6 +420,7 @@ class FPDTAttention(UPipeAttention):
 
 
 def _check_attention_module(module: nn.Module) -> None:
+    kind = attention_kind(module)  # refuses a class no model family registered
     missing = [
         a
         for a in ("wq", "wk", "wv", "wo", "n_heads", "n_kv_heads", "head_dim")
@@ -435,9 +428,9 @@ def _check_attention_module(module: nn.Module) -> None:
     ]
     if missing:
         raise ValueError(
-            f"context-parallel attention styles apply to torchtitan Llama3 Attention modules; "
-            f"{type(module).__name__} lacks {missing}. Check the plan's module path "
-            f"(e.g. 'layers.*.attention')."
+            f"context-parallel attention styles apply to {kind.family} attention modules with "
+            f"wq/wk/wv/wo projections; {type(module).__name__} lacks {missing}. Check the plan's "
+            f"module path (e.g. 'layers.*.attention')."
         )
     if getattr(module, "attn_type", "sdpa") != "sdpa":
         raise ValueError(
@@ -445,12 +438,15 @@ def _check_attention_module(module: nn.Module) -> None:
             f"styles run their own attention (causal, or document-masked through "
             f"attention_masks); build the model with attn_type='sdpa'"
         )
+    unused = unused_parameters(module)
+    if unused:
+        raise ValueError(
+            f"{type(module).__name__} has parameters {unused} that the context-parallel styles' "
+            f"fused attention op does not compute with ({kind.family}: bias-free wq/wk/wv/wo"
+            + (f" and the {kind.qk_transform} of q_norm/k_norm" if kind.qk_transform else "")
+            + "); a model with them needs its family's op support"
+        )
     for name in ("wq", "wk", "wv", "wo"):
-        if getattr(module, name).bias is not None:
-            raise ValueError(
-                f"{name} has a bias; the context-parallel styles compute Llama3's bias-free "
-                f"projections inside their attention op"
-            )
         if isinstance(getattr(module, name).weight, DTensor):
             raise ValueError(
                 f"{name}.weight is already a DTensor: apply the context-parallel style before "
@@ -523,7 +519,8 @@ def _cp_attention_forward(
 
 def is_rope_table(freqs_cis: Tensor) -> bool:
     """A shard's real (S, d/2, 2) or (B, S, d/2, 2) float32 RoPE table (``rope_table``), as
-    opposed to frequencies (1-D float64) or torchtitan's complex position table."""
+    opposed to frequencies (1-D float64) or torchtitan's position tables (Llama3's complex,
+    Qwen3's real (max_seq_len, 2 * head_dim))."""
     return (
         freqs_cis.dtype == torch.float32 and freqs_cis.dim() in (3, 4) and freqs_cis.shape[-1] == 2
     )
@@ -538,7 +535,7 @@ def _shard_rope(
 ) -> Tensor:
     seq_len = local_len * axes.cp_degree
     if positions is None:
-        if freqs_cis.is_complex() and seq_len > freqs_cis.shape[0]:  # a torchtitan position table
+        if freqs_cis.dim() == 2 and seq_len > freqs_cis.shape[0]:  # a torchtitan position table
             raise ValueError(
                 f"sequence length {seq_len} (= {local_len} local tokens x cp {axes.cp_degree}) "
                 f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from upipe_dtensor.config import ConfigError, JobConfig
-from upipe_dtensor.models import Llama3
+from upipe_dtensor.models import family_of
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.planning.step import (
     FIXED_ALLOWANCES,
@@ -77,7 +77,8 @@ class MemoryFloor:
 def parameter_count(config: JobConfig) -> int:
     """The model's parameters, counted on the meta device (no memory, a second for 32B)."""
     with torch.device("meta"):
-        model = Llama3(model_args(config.model, config.training.seq_len))
+        args = model_args(config.model, config.training.seq_len)
+        model = family_of(args).model_class(args)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -1,0 +1,132 @@
+"""The model-family registry: what a job, the CP styles, the memory stack and the HF weights
+need to know of each family, in one entry per family (torchtitan's ``TrainSpec`` plays this
+part there).
+
+``[model] name`` selects the entry. Adding a family is one module (its args, flavors and model
+class, on torchtitan's model) plus one ``register_family`` call below; see docs/design.md,
+"Adding a model family".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torchtitan.models.llama3.model.model import Attention as Llama3Attention
+from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
+from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
+from torchtitan.models.qwen3.model.model import FeedForward as Qwen3FeedForward
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+from upipe_dtensor.memory.tiled_mlp import register_swiglu_mlp
+from upipe_dtensor.models import llama3, qwen3
+from upipe_dtensor.models.long_context import LongContextModel
+from upipe_dtensor.parallel.attention_kinds import AttentionKind, register_attention_kind
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family."""
+
+    name: str
+    """``[model] name``."""
+    args_class: type
+    """Its model args (torchtitan's, with ``resolved_head_dim``, ``resolved_ffn_dim`` and
+    ``rope_scaling_args``)."""
+    flavors: Mapping[str, Any]
+    """``[model] flavor`` -> args."""
+    model_class: type[LongContextModel]
+    attention_class: type[nn.Module]
+    """torchtitan's attention module of the family, which the CP styles replace."""
+    attention: AttentionKind
+    """How the fused attention op computes that module."""
+    mlp_class: type[nn.Module]
+    """torchtitan's bias-free SwiGLU MLP of the family (what ``memory.tiled_mlp`` tiles)."""
+    hf_model_type: str
+    """config.json's ``model_type``."""
+    args_from_hf: Callable[[dict[str, Any], str], Any]
+    """``(config.json as a dict, its name for messages) -> args``; ValueError naming a field
+    the family's model does not implement."""
+    hf_architecture: str
+    """config.json's ``architectures`` entry of an exported folder."""
+    state_dict_adapter: type
+    """torchtitan's state-dict adapter between its names and Hugging Face's."""
+    hf_rope_permuted: tuple[str, ...] = ()
+    """Weight names whose rows Hugging Face stores permuted for its RoPE pairing (Llama3's wq,
+    wk: torchtitan rotates interleaved pairs, HF the halves); the adapter permutes them."""
+
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> None:
+    """Register ``family`` for ``[model] name``, its attention module for the CP styles and its
+    MLP for the tiled MLP."""
+    FAMILIES[family.name] = family
+    register_attention_kind(family.attention_class, family.attention)
+    register_swiglu_mlp(family.mlp_class)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family ``[model] name`` selects; ValueError naming the registered ones."""
+    if name not in FAMILIES:
+        raise ValueError(
+            f"[model] name = {name!r} is not a registered model family; choose one of "
+            f"{sorted(FAMILIES)}"
+        )
+    return FAMILIES[name]
+
+
+def family_of(args: Any) -> ModelFamily:
+    """The family whose args class ``args`` is."""
+    for family in FAMILIES.values():
+        if isinstance(args, family.args_class):
+            return family
+    raise ValueError(f"{type(args).__name__} is not the args class of a registered model family")
+
+
+def family_of_hf_config(config: dict[str, Any], source: str) -> ModelFamily:
+    """The family of a Hugging Face ``config.json`` by its ``model_type``."""
+    model_type = config.get("model_type")
+    for family in FAMILIES.values():
+        if family.hf_model_type == model_type:
+            return family
+    types = sorted(f.hf_model_type for f in FAMILIES.values())
+    raise ValueError(
+        f"{source}: model_type = {model_type!r}; the registered model families load {types}"
+    )
+
+
+register_family(
+    ModelFamily(
+        name="llama3",
+        args_class=llama3.Llama3Args,
+        flavors=llama3.FLAVORS,
+        model_class=llama3.Llama3,
+        attention_class=Llama3Attention,
+        attention=AttentionKind(family="llama3", rope_pairs="interleaved"),
+        mlp_class=Llama3FeedForward,
+        hf_model_type="llama",
+        args_from_hf=llama3.args_from_hf,
+        hf_architecture="LlamaForCausalLM",
+        state_dict_adapter=llama3.Llama3HFAdapter,
+        hf_rope_permuted=("attention.wq.weight", "attention.wk.weight"),
+    )
+)
+register_family(
+    ModelFamily(
+        name="qwen3",
+        args_class=qwen3.Qwen3Args,
+        flavors=qwen3.FLAVORS,
+        model_class=qwen3.Qwen3,
+        attention_class=Qwen3Attention,
+        attention=AttentionKind(family="qwen3", rope_pairs="half", qk_transform="rms_norm"),
+        mlp_class=Qwen3FeedForward,
+        hf_model_type="qwen3",
+        args_from_hf=qwen3.args_from_hf,
+        hf_architecture="Qwen3ForCausalLM",
+        state_dict_adapter=Qwen3StateDictAdapter,
+    )
+)

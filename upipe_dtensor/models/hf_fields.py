@@ -1,0 +1,61 @@
+"""Reading Hugging Face ``config.json`` fields that every model family's parser shares."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+NO_SCALING = RoPEScalingArgs(scaling_factor=1.0)
+"""Llama3 scaling with factor 1 leaves every frequency unchanged (Llama 3.0, Qwen3, most test
+models)."""
+
+
+def read_hf_config(hf_assets_path: str) -> dict[str, Any]:
+    """The parsed ``config.json`` of a Hugging Face model folder; ValueError naming the fix."""
+    path = Path(hf_assets_path) / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"[model] hf_assets_path = {hf_assets_path!r} has no config.json; point it at a "
+            f"Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+
+
+def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RoPEScalingArgs]:
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or parameters
+    theta = config.get("rope_theta", parameters.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), NO_SCALING
+    if rope_type != "llama3":
+        raise ValueError(
+            f"{source}: rope_type = {rope_type!r} is not supported; only Llama3 RoPE scaling "
+            f"('llama3') or none ('default') is"
+        )
+    return float(theta), RoPEScalingArgs(
+        scaling_factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def check_supported(config: dict[str, Any], supported: dict[str, Any], source: str) -> None:
+    """ValueError for a config.json field whose value the family's model does not implement."""
+    for key, value in supported.items():
+        if config.get(key, value) != value:
+            raise ValueError(f"{source}: {key} = {config[key]!r} is not supported (only {value!r})")
+
+
+def require(config: dict[str, Any], keys: tuple[str, ...], source: str, family: str) -> None:
+    """ValueError naming the fields a family's config.json must have and lacks."""
+    missing = [k for k in keys if k not in config]
+    if missing:
+        raise ValueError(f"{source}: missing {missing}; is this a {family} config.json?")

@@ -1,0 +1,186 @@
+"""What every model family's model shares for long contexts: the forward with checkpoint
+groups, the chunked loss and one RoPE table per forward, seeded initialisation of sharded
+weights, and the FLOPs per token.
+
+A family's model subclasses ``LongContextModel`` before torchtitan's model class (``models.llama3``,
+``models.qwen3``) and keeps its RoPE inverse frequencies (float64, (head_dim/2,)) in the buffer
+that torchtitan's class reads, named by ``ROPE_BUFFER``: the CP style computes the angles of its
+shard's positions only (``kernels.rope``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
+
+IGNORE_INDEX = -100
+EVAL_CHUNK_TOKENS = 4096
+"""Tokens per chunk of per-token losses when [memory] loss_chunk_tokens is not set."""
+
+
+class LongContextModel(nn.Module):
+    """The long-context forward, shared by every family's model class (a mixin listed before
+    torchtitan's model class)."""
+
+    ROPE_BUFFER: str = ""
+    """The buffer that holds the RoPE inverse frequencies (torchtitan's name in the family)."""
+
+    loss_chunk_tokens: int = 0
+    """When > 0, ``forward(tokens, labels=...)`` fuses the output layer and cross-entropy over
+    chunks of this many tokens (set by the parallelize step from ``[memory] chunked_loss``)."""
+    checkpoint_groups: tuple = ()
+    """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order
+    by ``forward``; empty: the blocks run one by one (each may checkpoint itself)."""
+    shard_rope: Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None = None
+    """The CP style's ``shard_rope`` (set by the parallelize step): ``forward`` computes this
+    rank's RoPE table once, from the frequencies and the positions, and every block (and its
+    recompute) reads that one table. None: each block derives it from the frequencies."""
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attention_masks=None,
+        positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        per_token: bool = False,
+    ) -> torch.Tensor:
+        """Logits, as torchtitan's forward computes them; or, given ``labels``, the summed
+        cross-entropy of the tokens
+        (``per_token``: each token's, as (B, S) float32 with 0 where the label is ignored).
+
+        The loss path runs inside the model's forward so the output weight is the gathered one
+        under FSDP2; with ``loss_chunk_tokens`` (and always with ``per_token``) it never
+        materialises the (tokens, vocab) logits.
+        """
+        h = self.tok_embeddings(tokens)
+        rope = getattr(self, self.ROPE_BUFFER)
+        if self.shard_rope is not None:  # once per forward, not per block (nor per recompute)
+            rope, positions = self.shard_rope(rope, tokens.shape[1], positions), None
+        if self.checkpoint_groups:
+            for group in self.checkpoint_groups:
+                h = group(
+                    self.layers, h, rope, attention_masks=attention_masks, positions=positions
+                )
+        else:
+            for layer in self.layers.values():
+                h = layer(h, rope, attention_masks=attention_masks, positions=positions)
+        h = self.norm(h)
+        if labels is None:
+            return self.output(h)
+        if per_token:
+            return self._token_losses(h, labels)
+        if self.loss_chunk_tokens:
+            return chunked_cross_entropy_sum(
+                h,
+                self.output.weight,
+                labels,
+                chunk_tokens=self.loss_chunk_tokens,
+                ignore_index=IGNORE_INDEX,
+            )
+        logits = self.output(h)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+    def _token_losses(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each token's cross-entropy, a chunk of tokens at a time (for evaluation, no autograd)."""
+        chunk = self.loss_chunk_tokens or EVAL_CHUNK_TOKENS
+        h_flat, labels_flat = h.flatten(0, 1), labels.flatten()
+        losses = torch.empty(labels_flat.shape, dtype=torch.float32, device=h.device)
+        for start in range(0, labels_flat.shape[0], chunk):
+            logits = self.output(h_flat[start : start + chunk]).float()
+            losses[start : start + chunk] = F.cross_entropy(
+                logits,
+                labels_flat[start : start + chunk],
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
+            )
+        return losses.view(labels.shape)
+
+    def reset_rope(self, device: torch.device) -> None:
+        """Recompute the RoPE frequencies on ``device`` (after weights were materialised)."""
+        precompute = getattr(self, f"_precompute_{self.ROPE_BUFFER}")
+        setattr(self, self.ROPE_BUFFER, precompute().to(device))
+
+
+def flops_per_token(model: nn.Module, args, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per non-embedding parameter plus causal attention.
+
+    Causal attention does half of the 2 * 2 * S * d multiply-adds per head and token of full
+    attention in forward, times 3 for forward + backward.
+    """
+    embedding = sum(p.numel() for p in model.tok_embeddings.parameters())
+    dense = sum(p.numel() for p in model.parameters()) - embedding
+    attention = 6 * args.n_layers * args.n_heads * args.resolved_head_dim * seq_len
+    return 6 * dense + attention
+
+
+def init_sharded_weights(model: LongContextModel, *, seed: int, device: torch.device) -> None:
+    """Fill ``model``'s (possibly FSDP-sharded) parameters with the values torchtitan's
+    ``init_weights`` gives the unsharded model for ``seed``, whatever the sharding.
+
+    DTensor random init depends on the mesh (on CPU every rank draws its own shard), so a cp=2 run
+    would start from other weights than cp=1. Here each part (embeddings/norm/output, then one
+    block at a time) is materialised whole on ``device`` under its own seed, initialised by
+    torchtitan's code, and only this rank's shard is kept; at most one block exists whole at once.
+    Fake parameters (memory planning, shape tests) have no values to fill: only buffers are built.
+    """
+    if is_fake(next(model.parameters())):
+        model.reset_rope(device)
+        return
+    with torch.device("meta"):
+        twin = type(model)(model.model_args)
+    blocks = twin.layers
+    twin.layers = nn.ModuleDict()  # the top-level part: embeddings, final norm, output
+    parts: list[tuple[nn.Module, nn.Module, Callable[[], None]]] = [
+        (model, twin, lambda: twin.init_weights(buffer_device=device))
+    ]
+    parts += [
+        (model.layers[name], block, functools.partial(_init_block, block, device))
+        for name, block in blocks.items()
+    ]
+    for index, (target, source, init) in enumerate(parts):
+        source.to_empty(device=device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed * 1_000_003 + index)
+            with torch.no_grad():
+                init()
+        _copy_shards(target, source)
+        source.to_empty(device="meta")  # free the whole copy before the next part
+    model.reset_rope(device)
+
+
+def _init_block(block: nn.Module, device: torch.device) -> None:
+    """torchtitan's init of one block: Qwen3's takes the buffer device, Llama3's does not."""
+    if "buffer_device" in inspect.signature(block.init_weights).parameters:
+        block.init_weights(buffer_device=device)
+    else:
+        block.init_weights()
+
+
+@torch.no_grad()
+def _copy_shards(target: nn.Module, source: nn.Module) -> None:
+    """target.param <- this rank's shard of source.param, for every parameter of ``source``."""
+    # Checkpoint wrappers nest the block one level down; state dicts hide that, so do we.
+    params = {
+        name.replace(f"{_CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()
+    }
+    for name, full in source.named_parameters():
+        param = params[name]
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank slices its own copy, no communication.
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(full)
