@@ -31,4 +31,6 @@ def test_gpu_check_runs_on_cpu_processes() -> None:
         "UPipe (U = C)", "Ulysses", "ring", "FPDT (4 chunks)", "UPipe x FPDT (4 chunks)",
     }  # fmt: skip
     assert all(float(ratio) <= 1.5 for _, ratio in rows), rows
-    assert re.search(r"^\| llama3 debugmodel, 256 tokens, UPipe \(U = 2\) \| [0-9,]+ \|", run.stdout, re.M)
+    assert re.search(
+        r"^\| llama3 debugmodel, 256 tokens, UPipe \(U = 2\) \| [0-9,]+ \|", run.stdout, re.M
+    )

@@ -298,7 +298,8 @@ class Trainer:
         setup = self.setup
         ranks = f"{setup.world_size} rank{'s' * (setup.world_size != 1)}"
         return (
-            f"training {config.model.name} {config.model.flavor}, seq_len {config.training.seq_len:,}, {style}, "
+            f"training {config.model.name} {config.model.flavor}, "
+            f"seq_len {config.training.seq_len:,}, {style}, "
             f"{setup.attention_choice} attention kernels, cp "
             f"{setup.cp} x dp {setup.dp} = {ranks} on {self.device.type}, steps "
             f"{self.start_step + 1}..{config.training.steps}, from {weights} "

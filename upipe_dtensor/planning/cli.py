@@ -191,7 +191,8 @@ def plot_sweep(
 def sweep_title(config: JobConfig, world_size: int, budget: Budget) -> str:
     """The plot's title: the model, the GPUs and both memory budgets."""
     return (
-        f"Planner: {config.model.name} {config.model.flavor} on {world_size} GPUs, {budget.device_bytes / GiB:g} GiB "
+        f"Planner: {config.model.name} {config.model.flavor} on {world_size} GPUs, "
+        f"{budget.device_bytes / GiB:g} GiB "
         f"each, {budget.host_bytes_per_node / GiB:g} GiB host per node "
         f"({budget.gpus_per_node} GPUs per node)"
     )
