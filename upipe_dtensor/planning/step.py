@@ -550,7 +550,7 @@ def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:
     """Head stages per pass whose exchanges fly during the previous stage's attention (UPipe's
     ``overlap_stages`` without sequence chunks); 1 when every exchange is waited for at once."""
     if (
-        parallelism.cp_style != "upipe"
+        not parallelism.style.overlap_stages
         or not parallelism.overlap_stages
         or parallelism.chunk_tokens
     ):
