@@ -518,6 +518,7 @@ def plan_job(
     profile = profile or (GPU_PROFILES[budget.gpu] if target == "cuda" else None)
     speed = None
     if profile is not None:
+        counter.refuse_unpriced()
         speed = predict_step_time(counter.work, _step_shape(trainer, config, target), profile)
     return Plan(
         config_file=config.config_file,
