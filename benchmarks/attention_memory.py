@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
-from upipe_dtensor.parallel.style import FPDTAttention, RingAttention, UPipeAttention
+from upipe_dtensor.parallel.registry import style_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FORWARD, BACKWARD, LAYER = "bench::forward", "bench::backward", "bench::layer"
@@ -171,16 +171,16 @@ def _phase(events: list[Allocation], layer: tuple[int, int], op: tuple[int, int]
 
 
 def make_style(cfg: Config, variant: Variant):
-    """The row's ParallelStyle: its ``style`` picks the class, ``chunks`` the sequence chunks (a
-    "upipe" row with chunks is UPipe x FPDT, U query heads per stage over chunks)."""
-    chunk_tokens = cfg.seq_len // variant.chunks if variant.chunks else None
-    if variant.style == "ring":
-        return RingAttention()
-    if variant.style == "fpdt":
-        return FPDTAttention(chunk_tokens=chunk_tokens)
-    if variant.style == "upipe":
-        return UPipeAttention(heads_per_stage=variant.heads_per_stage, chunk_tokens=chunk_tokens)
-    raise ValueError(f"unknown style {variant.style!r} in row {variant.name!r}")
+    """The row's ParallelStyle, built through the registry: its ``style`` picks the class,
+    ``chunks`` the sequence chunks (a "upipe" row with chunks is UPipe x FPDT, U query heads per
+    stage over chunks)."""
+    spec = style_spec(variant.style)
+    options: dict[str, Any] = {}
+    if spec.chunks != "never":
+        options["chunk_tokens"] = cfg.seq_len // variant.chunks if variant.chunks else None
+    if spec.stage_heads:
+        options["heads_per_stage"] = variant.heads_per_stage
+    return spec.make(**options)
 
 
 def measure(cfg: Config, variant: Variant, mesh: DeviceMesh, freqs_cis: torch.Tensor) -> Row:

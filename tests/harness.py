@@ -17,7 +17,7 @@ from torchtitan.models.llama3.model.model import Transformer
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.model import Qwen3Model
 
-from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
+from upipe_dtensor.parallel.registry import style_spec
 from upipe_dtensor.runtime.errors import end_process
 
 VOCAB = 64
@@ -150,18 +150,20 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def make_style(case: dict):
-    """The CP style a test case names: upipe/ulysses (1-D, or 2D with "ring"), ring, fpdt."""
-    style, u = case["style"], case.get("u")
-    if style in ("upipe", "upipe2d"):
-        return UPipeAttention(heads_per_stage=u, overlap_stages=case.get("overlap", True))
-    if style in ("ulysses", "ulysses2d"):
-        return UlyssesAttention()
-    if style == "ring":
-        return RingAttention()
-    chunk_tokens = math.ceil(case["seq_len"] / case["chunks"])
-    if u is None:
-        return FPDTAttention(chunk_tokens=chunk_tokens)
-    return UPipeAttention(heads_per_stage=u, chunk_tokens=chunk_tokens)  # UPipe x FPDT
+    """The CP style a test case names, built through the registry: upipe/ulysses (1-D, or 2D
+    with "ring"), ring, fpdt (UPipe x FPDT when it has a "u"), or any registered name."""
+    name = case["style"].removesuffix("2d")
+    options = {}
+    if "chunks" in case:
+        options["chunk_tokens"] = math.ceil(case["seq_len"] / case["chunks"])
+        if case.get("u") is not None:
+            name = "upipe"  # UPipe x FPDT: head stages over sequence chunks
+    spec = style_spec(name)
+    if spec.stage_heads:
+        options["heads_per_stage"] = case.get("u")
+    if spec.overlap_stages:
+        options["overlap_stages"] = case.get("overlap", True)
+    return spec.make(**options)
 
 
 def cp_mesh(case: dict, cp: int):

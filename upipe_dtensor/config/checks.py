@@ -17,6 +17,7 @@ from upipe_dtensor.config.schema import ConfigError, JobConfig, source_label
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
 from upipe_dtensor.parallel.layouts import chunk_count
+from upipe_dtensor.parallel.registry import STYLES
 
 
 def _check_finite(config: JobConfig, fail) -> None:
@@ -106,36 +107,39 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
             "parallelism.ring_degree",
             "parallelism.context_parallel_degree",
         )
-    if ring > 1 and style not in ("upipe", "ulysses"):
+    spec = parallelism.style
+    if ring > 1 and not spec.ring_axis:
         fail(
-            f"[parallelism] ring_degree = {ring} adds a ring axis to cp_style 'upipe' or "
-            "'ulysses'; "
+            f"[parallelism] ring_degree = {ring} adds a ring axis to cp_style "
+            + " or ".join(repr(s.name) for s in STYLES.values() if s.ring_axis)
+            + "; "
             f"cp_style {style!r} "
-            + ("is already a ring over all C ranks" if style == "ring" else "has no ring axis")
+            + ("has no ring axis" if spec.head_axis else "is already a ring over all C ranks")
             + ": set ring_degree = 1",
             "parallelism.ring_degree",
             "parallelism.cp_style",
         )
-    if parallelism.heads_per_stage and style in ("ulysses", "ring", "fpdt"):
-        hint = (
-            " (FPDT runs all heads per chunk, as published; for UPipe x FPDT use cp_style = "
-            "'upipe' with fpdt_chunk_tokens > 0)"
-            if style == "fpdt"
-            else ""
-        )
+    if parallelism.heads_per_stage and not spec.stage_heads:
         fail(
-            f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it{hint}",
+            f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it"
+            f"{spec.heads_per_stage_hint}",
             "parallelism.heads_per_stage",
             "parallelism.cp_style",
         )
-    if parallelism.fpdt_chunk_tokens and style in ("ulysses", "ring"):
+    if parallelism.fpdt_chunk_tokens and spec.chunks == "never":
+        chunked = [s for s in STYLES.values() if s.chunks == "always"]
+        chunked += [s for s in STYLES.values() if s.chunks == "optional"]
+        takers = " and ".join(
+            repr(s.name) + (f" ({s.label} x FPDT)" if s.chunks == "optional" else "")
+            for s in chunked
+        )
         fail(
-            f"[parallelism] fpdt_chunk_tokens applies to cp_style 'fpdt' and 'upipe' (UPipe x "
-            f"FPDT), not {style!r}; remove it",
+            f"[parallelism] fpdt_chunk_tokens applies to cp_style {takers}, not {style!r}; "
+            "remove it",
             "parallelism.fpdt_chunk_tokens",
             "parallelism.cp_style",
         )
-    if style == "ring":  # any number of heads: nothing is exchanged by head
+    if not spec.head_axis:  # any number of heads: nothing is exchanged by head
         return
     if parallelism.chunk_tokens:
         if ring > 1:

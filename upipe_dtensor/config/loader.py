@@ -111,15 +111,23 @@ def _from_text(value: str, annotation: Any) -> Any:
     return value
 
 
+def _choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values a field allows: a Literal's, or those a class such as ``CpStyle`` (names
+    registered at run time) lists; None for a field of any value of its type."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    choices = getattr(annotation, "choices", None)
+    return choices() if callable(choices) else None
+
+
 def _coerce(value: Any, annotation: Any, where: str, *, from_text: bool = False) -> Any:
     """Check ``value`` against a field's annotation. Only command-line strings (``from_text``) are
     converted: in a TOML file ``seq_len = "256"`` is a string, and TOML has typed values for
     that."""
     if from_text:
         value = _from_text(value, annotation)
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        choices = typing.get_args(annotation)
+    choices = _choices(annotation)
+    if choices is not None:
         if value not in choices:
             raise ConfigError(f"{where} = {value!r} is not one of {list(choices)}")
         return value
@@ -348,9 +356,10 @@ def _help_lines(cls: type, prefix: str, indent: int) -> list[str]:
             name = f"{prefix.lstrip('-')}{f.name}"
             lines.append(f"{pad}[[{name}]] (tables, only in a job file; none by default), keys:")
         else:
+            choices = _choices(annotation)
             kind = (
-                " | ".join(map(repr, typing.get_args(annotation)))
-                if typing.get_origin(annotation) is Literal
+                " | ".join(map(repr, choices))
+                if choices is not None
                 else getattr(annotation, "__name__", str(annotation))
             )
             lines.append(f"{pad}{prefix}{f.name} ({kind}, default {f.default!r})")

@@ -8,19 +8,32 @@ degree) are properties here, computed in one place for every reader.
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from upipe_dtensor.parallel.registry import StyleSpec
 
 
 class ConfigError(ValueError):
     """A job configuration that cannot run; the message names the source, the key and a fix."""
 
 
-CpStyle = Literal["upipe", "ulysses", "ring", "fpdt"]
-"""The context-parallel attention styles; ``CP_STYLES`` (and so the planner's ``--styles``)
-follows."""
-CP_STYLES: tuple[str, ...] = typing.get_args(CpStyle)
+class CpStyle(str):
+    """A context-parallel style's name: one registered in ``parallel.registry`` (the loader
+    checks a value against ``choices``, as it checks a Literal's)."""
+
+    @staticmethod
+    def choices() -> tuple[str, ...]:
+        return _registry().style_names()
+
+
+def _registry():
+    """``parallel.registry``, imported when first asked: this module imports nothing of the
+    project at import time (the registry imports the styles, and so torch)."""
+    from upipe_dtensor.parallel import registry
+
+    return registry
 
 
 @dataclass
@@ -188,17 +201,26 @@ class Parallelism:
         return self.context_parallel_degree * max(self.data_parallel_shard_degree, 1)
 
     @property
+    def style(self) -> StyleSpec:
+        """The registered style ``cp_style`` names (``parallel.registry``); ConfigError listing
+        the registered names when it names none."""
+        try:
+            return _registry().style_spec(self.cp_style)
+        except ValueError as err:
+            raise ConfigError(f"[parallelism] {err}") from None
+
+    @property
     def head_degree(self) -> int:
         """C_h, the ranks that exchange heads by all-to-all: C / ring_degree (1 for ring
         attention, which has no head axis)."""
-        if self.cp_style == "ring":
+        if not self.style.head_axis:
             return 1
         return self.context_parallel_degree // self.ring_degree
 
     def stage_heads(self, n_heads: int) -> int:
         """U resolved for a model of ``n_heads`` query heads: heads_per_stage (or C_h when 0)
         for upipe, every head for ulysses, ring and fpdt."""
-        if self.cp_style == "upipe":
+        if self.style.stage_heads:
             return self.heads_per_stage or self.head_degree
         return n_heads
 
@@ -206,9 +228,10 @@ class Parallelism:
     def chunk_tokens(self) -> int:
         """The sequence chunk the style runs (0: none): fpdt_chunk_tokens as fpdt or upipe use
         it."""
-        if self.cp_style == "fpdt":
+        chunks = self.style.chunks
+        if chunks == "always":
             return self.fpdt_chunk_tokens or FPDT_PAPER_CHUNK_TOKENS
-        return self.fpdt_chunk_tokens if self.cp_style == "upipe" else 0
+        return self.fpdt_chunk_tokens if chunks == "optional" else 0
 
 
 FPDT_PAPER_CHUNK_TOKENS = 65536

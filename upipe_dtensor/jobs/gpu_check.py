@@ -52,13 +52,8 @@ from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.jobs.build import configure_allocator
 from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, choose_backend
 from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.parallel import (
-    ContextParallelAttention,
-    FPDTAttention,
-    RingAttention,
-    UlyssesAttention,
-    UPipeAttention,
-)
+from upipe_dtensor.parallel import ContextParallelAttention
+from upipe_dtensor.parallel.registry import STYLES
 from upipe_dtensor.planning.step import Budget, Plan, plan_job
 from upipe_dtensor.runtime.collectives import outcome_on_every_rank
 from upipe_dtensor.runtime.errors import run_main
@@ -129,17 +124,27 @@ def available_backends(device_type: str) -> tuple[list[str], dict[str, str]]:
 def _styles(
     cp: int, seq_len: int, backend: str, device_type: str, two_d: DeviceMesh | None
 ) -> dict[str, tuple[ContextParallelAttention, DeviceMesh | None]]:
-    """Each style, and the mesh it runs on when not the 1-D CP mesh (2D UPipe: ``two_d``)."""
+    """Each style, and the mesh it runs on when not the 1-D CP mesh (2D UPipe: ``two_d``): the
+    built-ins in their published and UPipe x FPDT forms, a style registered later in its own."""
     kernels = {"backend": backend, "kernel_device": device_type}
+    chunks = {"chunk_tokens": seq_len // 4}
+    cases: dict[str, tuple[str, dict]] = {
+        "UPipe (U = C)": ("upipe", {}),
+        "Ulysses": ("ulysses", {}),
+        "ring": ("ring", {}),
+        "FPDT (4 chunks)": ("fpdt", chunks),
+        "UPipe x FPDT (4 chunks)": ("upipe", chunks),
+    }
+    named = {name for name, _ in cases.values()}
+    for name, spec in STYLES.items():
+        if name not in named:
+            cases[spec.label] = (name, chunks if spec.chunks == "always" else {})
     styles: dict[str, tuple[ContextParallelAttention, DeviceMesh | None]] = {
-        "UPipe (U = C)": (UPipeAttention(**kernels), None),
-        "Ulysses": (UlyssesAttention(**kernels), None),
-        "ring": (RingAttention(**kernels), None),
-        "FPDT (4 chunks)": (FPDTAttention(chunk_tokens=seq_len // 4, **kernels), None),
-        "UPipe x FPDT (4 chunks)": (UPipeAttention(chunk_tokens=seq_len // 4, **kernels), None),
+        label: (STYLES[name].make(**options, **kernels), None)
+        for label, (name, options) in cases.items()
     }
     if two_d is not None:
-        styles["2D UPipe (2 x C/2)"] = (UPipeAttention(ring_degree=2, **kernels), two_d)
+        styles["2D UPipe (2 x C/2)"] = (STYLES["upipe"].make(ring_degree=2, **kernels), two_d)
     return styles
 
 

@@ -32,13 +32,7 @@ from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
-from upipe_dtensor.parallel import (
-    ContextParallelAttention,
-    FPDTAttention,
-    RingAttention,
-    UlyssesAttention,
-    UPipeAttention,
-)
+from upipe_dtensor.parallel import ContextParallelAttention
 
 if TYPE_CHECKING:
     from upipe_dtensor.jobs.build import JobSetup
@@ -105,42 +99,19 @@ def make_cp_style(
     resolved values (U, ring degree, sequence chunks, the attention backend and the device its
     kernels are chosen for) so its layout and kernels are known at once."""
     parallelism = setup.config.parallelism
-    kernels = {
-        "backend": setup.attention_backend,
-        "kernel_device": setup.kernel_device,
-        "keep_attention": keep_attention,
-    }
-    if parallelism.cp_style == "ring":
-        return RingAttention(**kernels)
-    if parallelism.cp_style == "fpdt":
-        return FPDTAttention(
-            chunk_tokens=parallelism.chunk_tokens, host_device=setup.host_device, **kernels
-        )
-    if parallelism.cp_style == "ulysses":
-        return UlyssesAttention(ring_degree=parallelism.ring_degree, **kernels)
-    return UPipeAttention(
-        heads_per_stage=parallelism.stage_heads(setup.args.n_heads),
-        ring_degree=parallelism.ring_degree,
-        chunk_tokens=parallelism.chunk_tokens or None,  # UPipe x FPDT: head stages over chunks
-        overlap_stages=parallelism.overlap_stages,
+    return parallelism.style.build(
+        parallelism,
+        setup.args.n_heads,
+        backend=setup.attention_backend,
+        kernel_device=setup.kernel_device,
+        keep_attention=keep_attention,
         host_device=setup.host_device,
-        **kernels,
     )
 
 
 def describe_cp_style(parallelism: Parallelism, n_heads: int) -> str:
     """The configured attention in words, for start-up lines and plans."""
-    style = parallelism.cp_style
-    if style == "upipe":
-        text = f"UPipe (U = {parallelism.stage_heads(n_heads)})"
-    else:
-        text = {"ulysses": "Ulysses", "ring": "ring attention", "fpdt": "FPDT"}[style]
-    if parallelism.chunk_tokens:
-        fpdt = "x FPDT " if style == "upipe" else ""
-        text += f" {fpdt}in sequence chunks of {parallelism.chunk_tokens:,} tokens"
-    if parallelism.ring_degree > 1:
-        text += f" on a ring of {parallelism.ring_degree} x {parallelism.head_degree} head ranks"
-    return text
+    return parallelism.style.describe(parallelism, n_heads)
 
 
 def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallelAttention:

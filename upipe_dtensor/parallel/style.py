@@ -12,6 +12,7 @@ how weights are, so ``fully_shard`` applied afterwards owns the parameters as us
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,27 @@ class ContextParallelAttention(ParallelStyle):
         self.kernel_device = kernel_device
         """The device type the kernels are chosen for (None: the tensors' own device). The trainer
         passes its device; the memory planner "cuda", tracing the CUDA kernels on fake tensors."""
-        self.applied_axes: _Axes | None = None
+        self._applied_axes: _Axes | None = None
+        """Per-apply state, not a setting: this rank's axes on the mesh last applied to (the
+        constructor's arguments are never changed by ``parallelize_module``)."""
+
+    def __repr__(self) -> str:
+        """The class and its non-default arguments, as torch's styles print."""
+        shown = [
+            f"{p.name}={value!r}"
+            for p in inspect.signature(type(self).__init__).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and (value := self._argument(p.name)) != p.default
+        ]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    def _argument(self, name: str) -> object:
+        """The value the constructor's argument ``name`` was stored as."""
+        return self.kept if name == "keep_attention" else getattr(self, name)
+
+    @property
+    def applied_axes(self) -> _Axes | None:
         """This rank's axes, once the style is applied to a mesh."""
+        return self._applied_axes
 
     def shard_positions(
         self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
@@ -109,12 +129,16 @@ class ContextParallelAttention(ParallelStyle):
         it to every layer in place of ``freqs_cis``: no per-layer positions or float64 angles,
         and no host copy (the positions are built on the device). Call after
         ``parallelize_module``, which tells the style its rank."""
-        if self.applied_axes is None:
+        if self._applied_axes is None:
             raise ValueError(
                 f"{type(self).__name__}.shard_rope: the style knows its rank once applied to its "
                 "mesh; call it after parallelize_module"
             )
-        return _shard_rope(self, self.applied_axes, freqs_cis, local_len, positions)
+        return _shard_rope(self, self._applied_axes, freqs_cis, local_len, positions)
+
+    def _positions(self, axes: _Axes, seq_len: int, device: torch.device) -> Tensor:
+        """``shard_positions`` of this rank on ``axes`` (which know the mesh's ring degree)."""
+        return self.shard_positions(seq_len, axes.cp_rank, axes.cp_degree, device)
 
     def _axes(self, mesh: DeviceMesh) -> _Axes:
         """A 1-D mesh is the head (all-to-all) axis."""
@@ -162,7 +186,7 @@ class ContextParallelAttention(ParallelStyle):
         )
         module.cp_style, module.cp_axes = self, _AXES.setdefault(axes, axes)
         module.__class__ = _context_parallel_class(type(module))
-        self.applied_axes = axes
+        self._applied_axes = axes
         return module
 
 
@@ -265,21 +289,40 @@ class UPipeAttention(ContextParallelAttention):
         """Contiguous ``[r*S/C, (r+1)*S/C)`` on a 1-D mesh; on a 2-D mesh, rank
         ``ring_rank * (C/R) + head_rank`` holds its slice of the ring rank's zigzag tokens; with
         sequence chunks, rank r's chunk i is global piece i*C + r (FPDT's Figure 6)."""
-        if self.chunk_tokens is not None:
-            chunks = chunk_count(seq_len, cp_size, self.chunk_tokens)
-            return chunked_positions(seq_len, cp_rank, cp_size, chunks, device)
-        if self.ring_degree is None:
+        ring = self.ring_degree
+        if ring is None and self._applied_axes is not None:
+            ring = self._applied_axes.ring_degree
+        if ring is None and self.chunk_tokens is None:
             raise ValueError(
                 f"{type(self).__name__}.shard_positions: the layout depends on the ring degree, "
                 "which is known once the style is applied to its mesh; call it after "
                 "parallelize_module, or construct the style with ring_degree=R (1 for a 1-D mesh)"
             )
-        if self.ring_degree == 1:
+        return self._layout(seq_len, cp_rank, cp_size, ring, device)
+
+    def _positions(self, axes: _Axes, seq_len: int, device: torch.device) -> Tensor:
+        return self._layout(seq_len, axes.cp_rank, axes.cp_degree, axes.ring_degree, device)
+
+    def _layout(
+        self,
+        seq_len: int,
+        cp_rank: int,
+        cp_size: int,
+        ring_degree: int | None,
+        device: torch.device | None,
+    ) -> Tensor:
+        if self.chunk_tokens is not None:
+            chunks = chunk_count(seq_len, cp_size, self.chunk_tokens)
+            return chunked_positions(seq_len, cp_rank, cp_size, chunks, device)
+        if ring_degree == 1:
             return contiguous_positions(seq_len, cp_rank, cp_size, device)
-        return two_d_positions(seq_len, cp_rank, cp_size, self.ring_degree, device)
+        return two_d_positions(seq_len, cp_rank, cp_size, ring_degree, device)
 
     def _stage_heads(self, n_heads: int, head_degree: int) -> int:
         return head_degree if self.heads_per_stage is None else self.heads_per_stage
+
+    def _argument(self, name: str) -> object:
+        return self.host.host_device if name == "host_device" else super()._argument(name)
 
     def _axes(self, mesh: DeviceMesh) -> _Axes:
         _require_mesh_dims(self, mesh, (1,) if self.chunk_tokens is not None else (1, 2))
@@ -300,9 +343,7 @@ class UPipeAttention(ContextParallelAttention):
                 mesh.size(0),
                 ring_rank * mesh.size(1) + head_rank,
             )
-        if self.ring_degree is None:
-            self.ring_degree = axes.ring_degree
-        elif self.ring_degree != axes.ring_degree:
+        if self.ring_degree is not None and self.ring_degree != axes.ring_degree:
             raise ValueError(
                 f"{type(self).__name__}(ring_degree={self.ring_degree}) applied to a mesh whose "
                 f"ring axis has {axes.ring_degree} ranks ({mesh.mesh_dim_names}); construct it "
@@ -541,9 +582,7 @@ def _shard_rope(
                 f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "
                 f"model with max_seq_len >= {seq_len}"
             )
-        positions = style.shard_positions(
-            seq_len, axes.cp_rank, axes.cp_degree, device=freqs_cis.device
-        )
+        positions = style._positions(axes, seq_len, freqs_cis.device)
     elif positions.shape[-1] != local_len or positions.dim() != 2:
         raise ValueError(
             f"positions must be (1, {local_len}) or (B, {local_len}) global indices of this "

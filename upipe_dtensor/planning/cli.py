@@ -31,12 +31,13 @@ import json
 import math
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
-from upipe_dtensor.config import CP_STYLES, OVERRIDES_HELP, JobConfig, parse_args
+from upipe_dtensor.config import OVERRIDES_HELP, JobConfig, parse_args
+from upipe_dtensor.parallel.registry import STYLES, style_spec
 from upipe_dtensor.planning.checkpoint_interval import interval_line, suggested_interval
 from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.hardware import GPU_PROFILES
@@ -63,7 +64,7 @@ def _with(config: JobConfig, *, seq_len: int, cp_style: str) -> JobConfig:
         cp_style=cp_style,
         heads_per_stage=config.parallelism.heads_per_stage if same else 0,
         fpdt_chunk_tokens=config.parallelism.fpdt_chunk_tokens if same else 0,
-        ring_degree=config.parallelism.ring_degree if cp_style in ("upipe", "ulysses") else 1,
+        ring_degree=config.parallelism.ring_degree if style_spec(cp_style).ring_axis else 1,
     )
     training = dataclasses.replace(config.training, seq_len=seq_len)
     return dataclasses.replace(config, parallelism=parallelism, training=training)
@@ -222,8 +223,9 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _names(kind: str, choices: tuple[str, ...], example: str) -> Callable[[str], list[str]]:
-    """A parser of comma-separated ``kind`` names, each one of ``choices``, none twice."""
+def _names(kind: str, choices: Collection[str], example: str) -> Callable[[str], list[str]]:
+    """A parser of comma-separated ``kind`` names, each one of ``choices`` (read when parsing:
+    styles registered after import count), none twice."""
 
     def parse(text: str) -> list[str]:
         names = [name.strip() for name in text.split(",")]
@@ -240,7 +242,7 @@ def _names(kind: str, choices: tuple[str, ...], example: str) -> Callable[[str],
     return parse
 
 
-_styles = _names("cp style", tuple(CP_STYLES), "upipe,ulysses")
+_styles = _names("cp style", STYLES, "upipe,ulysses")
 _knobs = _names("setting", KNOB_NAMES, "heads_per_stage,fsdp_cpu_offload")
 
 
@@ -287,7 +289,7 @@ def main(argv: list[str]) -> int:
         "--styles",
         type=_styles,
         default=None,
-        help=f"cp styles to sweep, comma-separated, from: {', '.join(CP_STYLES)} "
+        help=f"cp styles to sweep, comma-separated, from: {', '.join(STYLES)} "
         "(default: upipe,ulysses)",
     )
     parser.add_argument(

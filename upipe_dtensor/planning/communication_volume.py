@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
+from upipe_dtensor.parallel.registry import style_spec
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,14 @@ def layer_traffic(
     heads_per_stage: int,
     dtype_bytes: int,
 ) -> LayerTraffic:
-    """The volume of ``cp_style`` ("upipe", "ulysses", "ring", "fpdt") for one layer.
+    """The volume of ``cp_style`` (a registered name: "upipe", "ulysses", "ring", "fpdt") for one
+    layer.
 
     ``ring_degree`` is R for 2D upipe/ulysses (1 otherwise); ``heads_per_stage`` is U as the style
     runs it (``planner`` resolves the config's 0 to the style's default).
     """
-    heads, ring = (1, cp) if cp_style == "ring" else (cp // ring_degree, ring_degree)
+    head_axis = style_spec(cp_style).head_axis
+    heads, ring = (cp // ring_degree, ring_degree) if head_axis else (1, cp)
     schedule = make_head_schedule(n_heads, n_kv_heads, heads, heads_per_stage)
     local = batch * seq_len // cp
     kv_effective = schedule.n_kv_blocks * schedule.kv_heads_per_rank * heads

@@ -187,11 +187,13 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
             "parallelism.overlap_stages",
             lambda on: "stages overlapped" if on else "stages in turn",
         )
-        if parallelism.cp_style == "upipe"
+        if parallelism.style.overlap_stages
         else not_upipe
     )
-    if parallelism.cp_style != "upipe":
-        found["sequence_chunks"] = found["heads_per_stage"] = not_upipe
+    if not parallelism.style.stage_heads:
+        found["heads_per_stage"] = not_upipe
+    if parallelism.style.chunks != "optional":
+        found["sequence_chunks"] = not_upipe
     elif parallelism.ring_degree > 1:
         found["sequence_chunks"] = "sequence chunks do not combine with a ring across nodes"
     if "sequence_chunks" not in found:
@@ -289,14 +291,14 @@ def _valid_worlds(config: JobConfig, gpus_per_node: int, upto: int) -> list[int]
 def on_world(config: JobConfig, world: int, gpus_per_node: int) -> JobConfig:
     """``config`` with every rank splitting the sequence, 2D across nodes for UPipe/Ulysses;
     ConfigError when the model's heads do not split over that many ranks."""
-    style = config.parallelism.cp_style
-    ring = world // gpus_per_node if world > gpus_per_node and style in ("upipe", "ulysses") else 1
+    style = config.parallelism.style
+    ring = world // gpus_per_node if world > gpus_per_node and style.ring_axis else 1
     if ring > 1 and world % gpus_per_node:
         raise ConfigError(
             f"--world-size {world} is not whole nodes of --gpus-per-node {gpus_per_node}"
         )
     heads_axis = world // ring
-    if style != "ring":
+    if style.head_axis:
         args = model_args(config.model, config.training.seq_len)
         if not valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis):
             raise ConfigError(

@@ -518,6 +518,7 @@ def plan_job(
     profile = profile or (GPU_PROFILES[budget.gpu] if target == "cuda" else None)
     speed = None
     if profile is not None:
+        counter.refuse_unpriced()
         speed = predict_step_time(counter.work, _step_shape(trainer, config, target), profile)
     return Plan(
         config_file=config.config_file,
@@ -550,7 +551,7 @@ def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:
     """Head stages per pass whose exchanges fly during the previous stage's attention (UPipe's
     ``overlap_stages`` without sequence chunks); 1 when every exchange is waited for at once."""
     if (
-        parallelism.cp_style != "upipe"
+        not parallelism.style.overlap_stages
         or not parallelism.overlap_stages
         or parallelism.chunk_tokens
     ):

@@ -165,15 +165,15 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
-def _comm_seconds(work: StepWork, profile: HardwareProfile, kind: str) -> tuple[float, int]:
-    """(seconds on the wire, calls) of one kind of collective."""
+def _comm_seconds(work: StepWork, profile: HardwareProfile, *kinds: str) -> tuple[float, int]:
+    """(seconds on the wire, calls) of these kinds of collective (of one rate)."""
     intra = {
         "all_to_all": profile.all_to_all_bus_bytes_per_s,
         "p2p": profile.p2p_bytes_per_s,
-    }.get(kind, profile.collective_bus_bytes_per_s)
+    }.get(kinds[0], profile.collective_bus_bytes_per_s)
     seconds, calls = 0.0, 0
     for (name, crosses), traffic in work.communication.items():
-        if name == kind:
+        if name in kinds:
             rate = profile.inter_node_bytes_per_s if crosses else intra
             seconds += traffic.bytes / rate
             calls += traffic.calls
@@ -226,7 +226,8 @@ def _price(work: StepWork, shape: StepShape, profile: HardwareProfile) -> _Price
     ring_s, _ = _comm_seconds(work, profile, "p2p")
     gather_s, gather_calls = _comm_seconds(work, profile, "all_gather")
     scatter_s, _ = _comm_seconds(work, profile, "reduce_scatter")
-    reduce_s, reduce_calls = _comm_seconds(work, profile, "all_reduce")
+    # broadcasts, gathers, barriers ("other") are waited for whole, as an all-reduce is
+    reduce_s, reduce_calls = _comm_seconds(work, profile, "all_reduce", "other")
     first_gather = gather_s / gather_calls if gather_calls else 0.0
     fsdp_s = gather_s + scatter_s
     fsdp_exposed = (

@@ -14,7 +14,8 @@ A ``TorchDispatchMode`` beside the memory tracker sees every aten op of the plan
   are memory-bound;
 - bytes per collective, by kind and by whether its group spans nodes, from the op's own process
   group (all-to-all: what this rank sends; all-gather and reduce-scatter: the bus bytes of NCCL's
-  busbw convention; point-to-point: the tensor);
+  busbw convention; point-to-point: the tensor), every collective in either form torch
+  dispatches it (``_COLLECTIVES``); a step with one it has no rule for is refused, not priced;
 - host <-> device copies, split into the activation offload's and the rest (FPDT's chunks).
 
 In a compiled block (``planning.compiled``) the ops inductor fuses are counted as its kernels:
@@ -33,10 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from upipe_dtensor.config import ConfigError
 from upipe_dtensor.kernels.tiling import repeats
 from upipe_dtensor.planning.tracker import OFFLOAD, is_untracked, label_from_stack, run_op_bodies
 
@@ -72,16 +75,62 @@ _FREE = {
     "_reshape_alias", "view_as", "diagonal", "sym_size", "sym_stride", "sym_numel", "is_same_size",
     "promote_types", "device", "_has_compatible_shallow_copy_type", "record_stream",
 }  # fmt: skip
-_COLLECTIVES = {
-    "alltoall_base_": "all_to_all",
-    "_allgather_base_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce",
-    "send": "p2p",
-    "recv_": "p2p",
+_SHARES = {
+    "others": lambda nbytes, size: nbytes * (size - 1) / size,  # all but this rank's own part
+    "gathered": lambda nbytes, size: nbytes * (size - 1),  # a functional all-gather's input
+    "both ways": lambda nbytes, size: 2 * nbytes * (size - 1) / size,  # all-reduce bus bytes
+    "whole": lambda nbytes, size: nbytes,
+    "none": lambda nbytes, size: 0.0,  # a barrier: a call, no bytes
 }
+"""How a collective's bytes follow from its counted tensors and its group size (NCCL's busbw
+convention for all-gather, reduce-scatter and all-reduce; what this rank sends otherwise)."""
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+_COLLECTIVES: dict[tuple[str, str], tuple[str, int, str] | None] = {
+    # (namespace, op) -> (kind, argument holding the counted tensors, share); None: no traffic
+    # of its own (a receive, whose bytes are the sender's send; a wait; a check)
+    ("c10d", "alltoall_base_"): ("all_to_all", 1, "others"),
+    ("c10d", "alltoall_"): ("all_to_all", 1, "others"),
+    ("c10d", "_allgather_base_"): ("all_gather", 0, "others"),
+    ("c10d", "allgather_"): ("all_gather", 0, "others"),
+    ("c10d", "allgather_coalesced_"): ("all_gather", 0, "others"),
+    ("c10d", "allgather_into_tensor_coalesced_"): ("all_gather", 0, "others"),
+    ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", 1, "others"),
+    ("c10d", "reduce_scatter_"): ("reduce_scatter", 1, "others"),
+    ("c10d", "reduce_scatter_tensor_coalesced_"): ("reduce_scatter", 1, "others"),
+    ("c10d", "allreduce_"): ("all_reduce", 0, "both ways"),
+    ("c10d", "allreduce_coalesced_"): ("all_reduce", 0, "both ways"),
+    ("c10d", "send"): ("p2p", 0, "whole"),
+    ("c10d", "recv_"): None,
+    ("c10d", "recv_any_source_"): None,
+    ("c10d", "broadcast_"): ("other", 0, "whole"),
+    ("c10d", "reduce_"): ("other", 0, "whole"),
+    ("c10d", "gather_"): ("other", 1, "whole"),
+    ("c10d", "scatter_"): ("other", 1, "others"),
+    ("c10d", "barrier"): ("other", 0, "none"),
+    ("c10d", "monitored_barrier_"): ("other", 0, "none"),
+    ("c10d", "check_for_nan"): None,
+    ("_c10d_functional", "all_to_all_single"): ("all_to_all", 0, "others"),
+    ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 0, "gathered"),
+    ("_c10d_functional", "all_gather_into_tensor_out"): ("all_gather", 0, "gathered"),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", 0, "gathered"),
+    ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 0, "others"),
+    ("_c10d_functional", "reduce_scatter_tensor_out"): ("reduce_scatter", 0, "others"),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 0, "others"),
+    ("_c10d_functional", "all_reduce"): ("all_reduce", 0, "both ways"),
+    ("_c10d_functional", "all_reduce_"): ("all_reduce", 0, "both ways"),
+    ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", 0, "both ways"),
+    ("_c10d_functional", "all_reduce_coalesced_"): ("all_reduce", 0, "both ways"),
+    ("_c10d_functional", "broadcast"): ("other", 0, "whole"),
+    ("_c10d_functional", "broadcast_"): ("other", 0, "whole"),
+    ("_c10d_functional", "isend"): ("p2p", 0, "whole"),
+    ("_c10d_functional", "irecv"): None,
+    ("_c10d_functional", "wait_tensor"): None,
+    ("_c10d_functional", "_wrap_tensor_autograd"): None,
+}
+"""Every collective the time model prices, in either form torch dispatches it (c10d's eager ops,
+the functional ops of DTensor and compiled graphs); a step running another one is refused
+(``StepWorkCounter.refuse_unpriced``), never priced without it. "other" (broadcast, reduce,
+gather, scatter, barriers) is waited for whole, as an all-reduce is."""
 
 
 @dataclass
@@ -106,7 +155,7 @@ class StepWork:
     memory_bytes: float = 0.0
     communication: dict[tuple[str, bool], Traffic] = field(default_factory=dict)
     """(kind, crosses nodes) -> traffic; kind: all_to_all, all_gather, reduce_scatter,
-    all_reduce, p2p (sends only: each hop's receive is the neighbour's send)."""
+    all_reduce, p2p (sends only: each hop's receive is the neighbour's send), other."""
     host_bytes: dict[tuple[str, str], float] = field(default_factory=dict)
     """(what: "activation offload" | "other", "to host" | "to device") -> bytes."""
     fused_kernels: float = 0.0
@@ -226,7 +275,9 @@ def attention_flops(func, args, kwargs=None) -> tuple[str, str, float] | None:
     return family, ("forward causal" if causal else "forward full"), forward
 
 
-def _group_of(args) -> dist.ProcessGroup | None:
+def _group_of(func, args) -> dist.ProcessGroup | None:
+    if func.namespace == "_c10d_functional":  # the group's name, the last positional argument
+        return _resolve_process_group(args[-1])
     for arg in args:
         if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
             return dist.ProcessGroup.unbox(arg)
@@ -243,6 +294,8 @@ class StepWorkCounter(TorchDispatchMode):
         self.device, self.host, self.gpus_per_node = str(device), str(host), gpus_per_node
         self.work = StepWork()
         self.counting = False
+        self.unpriced: set[str] = set()
+        """Collectives the step ran that ``_COLLECTIVES`` has no rule for."""
         self._crosses: dict[str, bool] = {}
 
     @classmethod
@@ -271,22 +324,29 @@ class StepWorkCounter(TorchDispatchMode):
             self._crosses[name] = len({rank // self.gpus_per_node for rank in ranks}) > 1
         return self._crosses[name]
 
-    def _count_collective(self, kind: str, func, args) -> None:
-        group = _group_of(args)
+    def refuse_unpriced(self) -> None:
+        """ConfigError naming the collectives the step ran that the time model cannot price:
+        a prediction without them would look plausible and be wrong."""
+        if self.unpriced:
+            raise ConfigError(
+                f"the step runs {', '.join(sorted(self.unpriced))}, a collective the step-time "
+                "model does not price; give it a rule in _COLLECTIVES "
+                "(upipe_dtensor/planning/step_work.py) before planning this job's speed"
+            )
+
+    def _count_collective(self, func, args) -> None:
+        name = func.overloadpacket.__name__
+        if (func.namespace, name) not in _COLLECTIVES:
+            self.unpriced.add(f"{func.namespace}::{name}")
+            return
+        rule = _COLLECTIVES[(func.namespace, name)]
+        if rule is None:
+            return
+        kind, argument, share = rule
+        group = _group_of(func, args)
         size = group.size() if group is not None else 1
-        tensors = [leaf for leaf in tree_flatten(args)[0] if isinstance(leaf, torch.Tensor)]
-        if kind == "p2p":
-            if func.overloadpacket.__name__ != "send":
-                return
-            nbytes = sum(_numel_bytes(t) for t in tensors)
-        elif kind == "all_to_all":
-            nbytes = _numel_bytes(tensors[1]) * (size - 1) / size  # the input, less own part
-        elif kind == "all_gather":
-            nbytes = _numel_bytes(tensors[0]) * (size - 1) / size  # the gathered output
-        elif kind == "reduce_scatter":
-            nbytes = _numel_bytes(tensors[1]) * (size - 1) / size  # the full input
-        else:
-            nbytes = 2 * sum(_numel_bytes(t) for t in tensors) * (size - 1) / size
+        counted = [t for t in tree_flatten(args[argument])[0] if isinstance(t, torch.Tensor)]
+        nbytes = _SHARES[share](sum(_numel_bytes(t) for t in counted), size)
         key = (kind, group is not None and self._crosses_nodes(group))
         traffic = self.work.communication.setdefault(key, Traffic())
         traffic.bytes += nbytes * repeats()
@@ -333,10 +393,8 @@ class StepWorkCounter(TorchDispatchMode):
             key = (family, direction)
             work.attention_flops[key] = work.attention_flops.get(key, 0.0) + flops * weight
             return out
-        if func.namespace == "c10d":
-            kind = _COLLECTIVES.get(name)
-            if kind is not None:
-                self._count_collective(kind, func, args)
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            self._count_collective(func, args)
             return out
         if self._count_copy(func, args, out):
             return out
