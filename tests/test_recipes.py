@@ -87,6 +87,7 @@ def test_recipe_table_is_complete() -> None:
         assert {
             f"llama3_32b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")
         } <= names
+    assert {f"qwen3_{size}_{length}" for size in ("8b", "32b") for length in ("1M", "4M")} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])

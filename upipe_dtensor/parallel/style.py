@@ -1,7 +1,8 @@
-"""Context-parallel styles for Llama3 attention: UPipe, Ulysses, ring attention and FPDT.
+"""Context-parallel styles for the attention of a registered model family (torchtitan's Llama3
+and Qwen3 ``Attention``, ``parallel.attention_kinds``): UPipe, Ulysses, ring attention and FPDT.
 
-Applied with ``parallelize_module(model, cp_mesh, {"layers.*.attention": UPipeAttention()})`` to
-torchtitan's Llama3 ``Attention``. Every style exposes ``shard_positions(seq_len, cp_rank,
+Applied with ``parallelize_module(model, cp_mesh, {"layers.*.attention": UPipeAttention()})``.
+Every style exposes ``shard_positions(seq_len, cp_rank,
 cp_size)``, the tokens each rank feeds in the order its module expects, and accepts a document
 mask; all of them run through the same all-to-all, kernels, ring and host-memory pieces. Unlike
 PyTorch's tensor-parallel styles, the parameters stay
