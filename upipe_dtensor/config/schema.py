@@ -2,8 +2,9 @@
 
 Section and key names follow torchtitan's ``JobConfig`` where torchtitan has them, so a torchtitan
 user reads our files without a glossary. ``--help`` prints the field docstrings. This module
-imports nothing of the project: derived values (the resolved heads per stage, the head-axis
-degree) are properties here, computed in one place for every reader.
+imports nothing of the project but its exceptions (``upipe_dtensor.errors``): derived values (the
+resolved heads per stage, the head-axis degree) are properties here, computed in one place for
+every reader.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-
-class ConfigError(ValueError):
-    """A job configuration that cannot run; the message names the source, the key and a fix."""
-
+from upipe_dtensor.errors import ConfigError as ConfigError  # its documented home re-exports it
 
 CpStyle = Literal["upipe", "ulysses", "ring", "fpdt"]
 """The context-parallel attention styles; ``CP_STYLES`` (and so the planner's ``--styles``)
