@@ -32,7 +32,7 @@ the tests trace the CUDA branch on fake CPU tensors (fake ``cuda`` tensors would
 a CPU-only build). The one thing that cannot run on fake tensors is flash-attn's compiled module:
 there its twin, aten's copy of the same FlashAttention-2 kernels (same outputs, same LSE layouts),
 is traced instead. The other device-only pieces (streams, events, pinned memory) are in
-``memory/host_store.py``, whose CPU twin is the same code with plain copies.
+``runtime/host_store.py``, whose CPU twin is the same code with plain copies.
 
 Document boundaries (varlen ``cu_seqlens``, a past block's shared document) are computed once per
 step per document-id tensor and sent to the device without a host sync
