@@ -5,6 +5,7 @@
 clean stop, with ``rank_deaths`` naming a rank that died; ``collectives`` holds the small rank-0 /
 every-rank agreements; ``process_group`` the backend string every job initialises; ``metrics``
 logs the step line and tensorboard scalars; ``host_store`` is the one device-runtime seam
-(streams, events, pinned host memory); ``parity`` compares a context-parallel model with the
+(streams, events, pinned host memory); ``fake_process_group`` lays a job's ranks out in one
+process for the planner; ``parity`` compares a context-parallel model with the
 unsharded one (the tests and ``gpu_check``).
 """
