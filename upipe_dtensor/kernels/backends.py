@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from upipe_dtensor.kernels import probe
 from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
-from upipe_dtensor.kernels.flash_registry import activate_backend as activate_backend  # its home
+from upipe_dtensor.kernels.flash_registry import activate_backend as activate_backend  # re-export
 
 BACKENDS = ("auto", "fa3", "fa4", "cudnn", "flash", "sdpa")
 """What a user chooses (``[parallelism] attention_backend``)."""
