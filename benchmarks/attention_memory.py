@@ -14,7 +14,7 @@ mode would see only the ops' outputs. This script instead reads the profiler's a
 inside an op, puts back the frees made on gloo's worker thread (which the profiler misses; see
 ``live_memory.allocations``), and replays them in time order to get the peak of live bytes above
 the level at the start of each region. FPDT's host buffers (chunks parked by
-``memory.host_store``) are the same CPU memory here; they are kept out of the device numbers (by
+``runtime.host_store``) are the same CPU memory here; they are kept out of the device numbers (by
 the frame that allocates them) and reported as what the store's pool grew by.
 
 Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=64, S=8192;
@@ -57,7 +57,7 @@ from upipe_dtensor.parallel.registry import style_spec
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FORWARD, BACKWARD, LAYER = "bench::forward", "bench::backward", "bench::layer"
 HOST_BUFFER = "_host_buffer"
-"""Label of the allocations ``memory.host_store`` makes for parked tensors: host memory, counted
+"""Label of the allocations ``runtime.host_store`` makes for parked tensors: host memory, counted
 by the store itself (``host_bytes``) and kept out of the device numbers."""
 
 

@@ -19,6 +19,13 @@ from torchtitan.models.qwen3.model.model import Qwen3Model
 
 from upipe_dtensor.parallel.registry import style_spec
 from upipe_dtensor.runtime.errors import end_process
+from upipe_dtensor.runtime.parity import (  # noqa: F401 (the tests compare as gpu_check does)
+    cast_parameters,
+    gather_sequence,
+    rel_err,
+    shard,
+    summed_grads,
+)
 
 VOCAB = 64
 
@@ -99,54 +106,6 @@ def tiny_qwen3(
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
     return model
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|, in float64."""
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-
-
-def shard(t: torch.Tensor, rank: int, world_size: int, style=None) -> torch.Tensor:
-    """This rank's tokens of the sequence dimension (dim 1): the style's layout
-    (``shard_positions``), or the contiguous slice when no style is given."""
-    if style is None:
-        local = t.shape[1] // world_size
-        return t[:, rank * local : (rank + 1) * local]
-    return t.index_select(1, style.shard_positions(t.shape[1], rank, world_size))
-
-
-def summed_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameter gradients summed over all ranks (each rank's are partial: its shard's tokens)."""
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad
-        if hasattr(grad, "full_tensor"):
-            grad = grad.full_tensor()
-        grad = grad.detach().float().clone()
-        dist.all_reduce(grad)
-        grads[name] = grad
-    return grads
-
-
-def gather_sequence(local: torch.Tensor, style=None) -> torch.Tensor:
-    """The whole sequence (dim 1) from every rank's shard: rank order, or each token put back at
-    its global position by the style's ``shard_positions``."""
-    world = dist.get_world_size()
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous())
-    joined = torch.cat(parts, dim=1)
-    if style is None:
-        return joined
-    seq_len = joined.shape[1]
-    positions = torch.cat([style.shard_positions(seq_len, r, world) for r in range(world)])
-    return torch.empty_like(joined).index_copy_(1, positions, joined)
-
-
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast parameters only: ``model.to(dtype)`` would also cast the complex RoPE buffer to real."""
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
 
 
 def make_style(case: dict):

@@ -34,12 +34,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.kernels import rope
 from upipe_dtensor.kernels.op_mode import transparent_ops
-from upipe_dtensor.memory.host_store import HostMemory
 from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward
 from upipe_dtensor.parallel.projections import forget_head_indices
 from upipe_dtensor.parallel.staged_attention import staged_backward, staged_forward
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
+from upipe_dtensor.runtime.host_store import HostMemory
 
 pytestmark = pytest.mark.unit
 

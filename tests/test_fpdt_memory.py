@@ -19,10 +19,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
 from upipe_dtensor.kernels.op_mode import transparent_ops
-from upipe_dtensor.memory.host_store import HostMemory
 from upipe_dtensor.parallel.attention_op import AttentionParams
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
+from upipe_dtensor.runtime.host_store import HostMemory
 
 pytestmark = pytest.mark.unit
 

@@ -4,5 +4,7 @@
 one); ``manifest`` records and checks each snapshot's files (size, CRC-32); ``storage`` checks
 free space and writability before a save; ``job_lock`` keeps two jobs out of one dump folder;
 ``weights`` loads and saves model weights as DCP or Hugging Face safetensors; ``outputs`` is
-the rule every command's writes follow (refuse what exists, write aside, rename into place).
+the rule every command's writes follow (refuse what exists, write aside, rename into place);
+``model_record`` records the model settings a snapshot was trained with and refuses a job whose
+model differs.
 """

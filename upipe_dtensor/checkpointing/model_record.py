@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from upipe_dtensor.checkpointing.manifest import read_manifest
-from upipe_dtensor.config.schema import ConfigError, JobConfig
+from upipe_dtensor.errors import ConfigError
 from upipe_dtensor.models.hf_config import ModelArgs, shape_fields
+
+if TYPE_CHECKING:  # the config layer sits above checkpointing (tests/test_layering.py)
+    from upipe_dtensor.config.schema import JobConfig
 
 INFORMATIVE = ("flavor",)
 """Recorded but not compared: a flavor and an ``hf`` config.json of the same shape are the same

@@ -20,16 +20,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from upipe_dtensor.errors import ConfigError
+
 PREVIEW = 5
 """Entries named when refusing a folder that is not empty."""
-
-
-def _refusal(message: str) -> Exception:
-    """A ``ConfigError`` (imported here: the config checks import the weight writers that import
-    this module, so a module-level import would be circular)."""
-    from upipe_dtensor.config.schema import ConfigError
-
-    return ConfigError(message)
 
 
 def _entries(names: list[str]) -> str:
@@ -46,9 +40,9 @@ def describe_contents(folder: Path) -> str:
 def refuse_nonempty(folder: Path, fix: str) -> None:
     """A ConfigError when ``folder`` is a file or holds anything; ``fix`` says what to do."""
     if folder.exists() and not folder.is_dir():
-        raise _refusal(f"{folder} is a file, not a folder; {fix}")
+        raise ConfigError(f"{folder} is a file, not a folder; {fix}")
     if folder.is_dir() and any(folder.iterdir()):
-        raise _refusal(f"{folder} is not empty: it holds {describe_contents(folder)}; {fix}")
+        raise ConfigError(f"{folder} is not empty: it holds {describe_contents(folder)}; {fix}")
 
 
 def refuse_existing(paths: Iterable[Path], fix: str) -> None:
@@ -56,7 +50,7 @@ def refuse_existing(paths: Iterable[Path], fix: str) -> None:
     there = [str(path) for path in paths if path.exists()]
     if there:
         verb = "exists" if len(there) == 1 else "exist"
-        raise _refusal(f"{', '.join(there)} already {verb}; {fix}")
+        raise ConfigError(f"{', '.join(there)} already {verb}; {fix}")
 
 
 def temporary_sibling(path: Path, token: str = "") -> Path:
@@ -76,12 +70,12 @@ def publish_file(temporary: Path, path: Path, *, overwrite: bool) -> None:
     try:
         os.link(temporary, path)
     except FileExistsError:
-        raise _refusal(
+        raise ConfigError(
             f"{path} appeared while this command ran; kept it, pass --overwrite to replace it"
         ) from None
     except OSError:  # a filesystem without hard links: check, then rename
         if path.exists():
-            raise _refusal(f"{path} appeared while this command ran; kept it") from None
+            raise ConfigError(f"{path} appeared while this command ran; kept it") from None
         os.replace(temporary, path)
         return
     temporary.unlink()

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -31,9 +31,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from upipe_dtensor.checkpointing.manifest import read_manifest, verify, write_manifest
 from upipe_dtensor.checkpointing.storage import human, is_out_of_space, no_space_error
-from upipe_dtensor.config import ConfigError, JobConfig
+from upipe_dtensor.errors import ConfigError, JobComplete, JobError
 from upipe_dtensor.runtime.collectives import on_rank0
-from upipe_dtensor.runtime.errors import JobComplete, JobError
+
+if TYPE_CHECKING:  # the config layer sits above checkpointing (tests/test_layering.py)
+    from upipe_dtensor.config.schema import JobConfig
 
 _SNAPSHOT = re.compile(r"^step-(\d+)$")
 

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from upipe_dtensor.checkpointing.outputs import publish_folder, temporary_sibling
+from upipe_dtensor.errors import ConfigError
 from upipe_dtensor.models.family import family_of
 from upipe_dtensor.models.hf_config import (
     ModelArgs,
@@ -200,13 +201,6 @@ def _safetensors_problem(path: Path) -> str:
     return ""
 
 
-def _config_error(message: str) -> Exception:
-    """A ``ConfigError`` (imported here: the config checks import this module)."""
-    from upipe_dtensor.config.schema import ConfigError
-
-    return ConfigError(message)
-
-
 def check_shapes(
     expected: dict[str, torch.Size],
     stored: dict[str, Any],
@@ -237,7 +231,7 @@ def check_shapes(
         ]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise _config_error(
+        raise ConfigError(
             f"the weights in {source} are not this model's: {problems[0]}{more}; pass the job "
             "config (and any --section.key overrides) they were saved with"
         )

@@ -2,8 +2,9 @@
 
 Section and key names follow torchtitan's ``JobConfig`` where torchtitan has them, so a torchtitan
 user reads our files without a glossary. ``--help`` prints the field docstrings. This module
-imports nothing of the project: derived values (the resolved heads per stage, the head-axis
-degree) are properties here, computed in one place for every reader.
+imports nothing of the project but its exceptions (``upipe_dtensor.errors``): derived values (the
+resolved heads per stage, the head-axis degree) are properties here, computed in one place for
+every reader.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from upipe_dtensor.parallel.registry import StyleSpec
 
-
-class ConfigError(ValueError):
-    """A job configuration that cannot run; the message names the source, the key and a fix."""
+from upipe_dtensor.errors import ConfigError as ConfigError  # its documented home re-exports it
 
 
 class CpStyle(str):

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from upipe_dtensor.config.schema import DataSource, source_label
+from upipe_dtensor.config.schema import ConfigError, DataSource, JobConfig, source_label
 from upipe_dtensor.data.mixture import (
     Mixture,
     MixtureDocuments,
@@ -104,6 +104,16 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
             'e.g. "<|begin_of_text|>" and "<|end_of_text|>"'
         )
     return tokenizer
+
+
+def job_tokenizer(config: JobConfig) -> Tokenizer:
+    """The job's tokenizer, before any process group: a ``ConfigError`` naming where
+    ``[model] tokenizer_path`` was set (the commands and ``set_up_job`` word it once, here)."""
+    try:
+        return build_tokenizer(config.model.tokenizer_folder)
+    except ValueError as err:
+        where = config.source_of("model.tokenizer_path", "model.hf_assets_path")
+        raise ConfigError(f"{where}: [model] tokenizer_path: {err}") from err
 
 
 @dataclass(frozen=True)

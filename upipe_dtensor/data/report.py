@@ -28,7 +28,7 @@ from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, JobConfig, parse_args
 from upipe_dtensor.config.checks import check_training_data
 from upipe_dtensor.config.schema import DataSource, source_label
-from upipe_dtensor.data.loader import LocalDocuments, Tokenizer
+from upipe_dtensor.data.loader import LocalDocuments, Tokenizer, job_tokenizer
 from upipe_dtensor.data.mixture import copies_of, pack_document
 from upipe_dtensor.runtime.errors import run_main
 
@@ -201,8 +201,6 @@ def plot_lengths(bins: list[dict], path: Path, title: str) -> None:
 
 def report(config_file: str, overrides: list[str], png: str | None, *, overwrite: bool) -> None:
     """Measure the job's data, print the tables and the JSON line, write the histogram."""
-    from upipe_dtensor.jobs.retrieval import job_tokenizer  # the commands' tokenizer, worded once
-
     config = parse_args(["--config", config_file, *overrides])
     check_training_data(config)
     if config.training.dataset != "local":

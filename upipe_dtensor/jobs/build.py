@@ -24,8 +24,9 @@ from upipe_dtensor.checkpointing.weights import (
 )
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.data.documents import document_ids, document_positions
-from upipe_dtensor.data.loader import Tokenizer, build_tokenizer
-from upipe_dtensor.jobs.parallelize import DTYPES, ParallelMeshes, build_meshes, parallelize_llama
+from upipe_dtensor.data.loader import job_tokenizer
+from upipe_dtensor.jobs.parallelize import DTYPES, parallelize_llama
+from upipe_dtensor.jobs.setup import JobSetup, Placement, build_meshes
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
 from upipe_dtensor.memory.host_store import to_device
 from upipe_dtensor.memory.offload import HostOffload
@@ -96,54 +97,6 @@ def _init_process_group(backend: str) -> None:
     dist.init_process_group(backend)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a job's tensors live, when the caller decides instead of the job.
-
-    A real job leaves every field at its default: it picks its device (CUDA if present), builds
-    its meshes, parks offloaded activations on the CPU and computes in mixed precision on CUDA
-    only. The memory planner decides all of it once, here: meshes built before entering a
-    FakeTensorMode (which cannot build one), a device, a stand-in host device it counts as host
-    memory, and mixed precision on to model a GPU run with CPU stand-in tensors.
-    """
-
-    meshes: ParallelMeshes | None = None
-    device: torch.device | None = None
-    host_device: torch.device = torch.device("cpu")
-    mixed_precision: bool | None = None
-    """None: on CUDA only."""
-    kernel_device: str | None = None
-    """The planner's "cuda": choose the CUDA kernels while the tensors are fake CPU ones, so the
-    GPU step's kernel calls are traced (None: the kernels of the job's own device)."""
-
-
-@dataclass(frozen=True)
-class JobSetup:
-    """What exists before the model: the checked job, its tokenizer, process group and meshes.
-    A caller (the trainer) can check the data and the snapshot to resume from here, before the
-    expensive part."""
-
-    config: JobConfig
-    args: ModelArgs
-    tokenizer: Tokenizer
-    device: torch.device
-    host_device: torch.device
-    mixed_precision: bool
-    kernel_device: str
-    """The device type the attention kernels are chosen for ("cuda" when the planner traces a
-    GPU run on fake CPU tensors)."""
-    attention_backend: str
-    """[parallelism] attention_backend resolved for ``kernel_device``."""
-    attention_choice: str
-    """The backend in words for the start-up line: with ``auto``, why faster ones were skipped."""
-    meshes: ParallelMeshes
-    world_size: int
-    dp: int
-    dp_rank: int
-    cp: int
-    cp_rank: int
-
-
 def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetup:
     """Check ``config`` and the tokenizer (``ConfigError``, before any process group), then set up
     the process group and the (dp_shard, cp) meshes, as ``placement`` says."""
@@ -152,11 +105,7 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
     )
     dp = check_job(config, world_size)  # before any process group or allocation
     args = model_args(config.model, config.training.seq_len)
-    try:
-        tokenizer = build_tokenizer(config.model.tokenizer_folder)
-    except ValueError as err:
-        where = config.source_of("model.tokenizer_path", "model.hf_assets_path")
-        raise ConfigError(f"{where}: [model] tokenizer_path: {err}") from err
+    tokenizer = job_tokenizer(config)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"{config.source_of('model.tokenizer_path', 'model.flavor')}: the tokenizer at "

@@ -39,17 +39,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from upipe_dtensor.checkpointing.model_record import check_model_unchanged
-from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
-from upipe_dtensor.checkpointing.snapshots import choose_snapshot, snapshot_candidates
-from upipe_dtensor.checkpointing.weights import initial_load_folder, load_dcp_weights
+from upipe_dtensor.checkpointing.outputs import refuse_existing
+from upipe_dtensor.checkpointing.snapshots import snapshot_candidates
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, JobConfig, parse_args
-from upipe_dtensor.jobs.build import (
-    ParallelModel,
-    build_parallel_model,
-    load_initial_weights,
-    set_up_job,
-)
+from upipe_dtensor.jobs import retrieval
+from upipe_dtensor.jobs.build import ParallelModel
+from upipe_dtensor.jobs.eval_common import load_job_model, weights_tag, write_outputs
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
 from upipe_dtensor.runtime.collectives import on_rank0
@@ -89,42 +84,6 @@ def position_buckets(seq_len: int) -> list[tuple[int, int]]:
         buckets.append((low, min(2 * low - 1, last)))
         low *= 2
     return buckets
-
-
-def load_eval_weights(built: ParallelModel, snapshot: Path | None) -> str:
-    """The model part of ``snapshot``, else the job's initial weights; a description."""
-    if snapshot is not None:
-        load_dcp_weights(built.model, str(snapshot))
-        return f"snapshot {snapshot}"
-    return load_initial_weights(built)
-
-
-def load_job_model(config: JobConfig) -> tuple[ParallelModel, Path | None, str]:
-    """The job's model, built and parallelised as train.py builds it, with the weights a resuming
-    job would take: (model, the snapshot or None for the initial weights, a description).
-    ConfigError, before any process group, when there are no weights at all. The blocks run
-    eager whatever [compile] says: an evaluation runs each of its lengths a few times, and every
-    length would be another compiled graph (fullgraph fails past dynamo's recompile limit)."""
-    config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
-    folder = Path(config.job.dump_folder) / config.checkpoint.folder
-    candidates = snapshot_candidates(config, folder)  # folder names only: no process group yet
-    if not candidates and not initial_load_folder(config):
-        raise ConfigError(
-            f"{config.config_file}: no weights to evaluate: no snapshot in {folder} and no "
-            "[checkpoint] initial_load_path; train first, or set initial_load_path (with "
-            "initial_load_in_hf for a Hugging Face folder)"
-        )
-    setup = set_up_job(config)
-    snapshot = (
-        choose_snapshot(folder, candidates, explicit=config.checkpoint.load_step != -1, job=None)
-        if candidates
-        else None
-    )
-    if snapshot is not None:
-        args = model_args(config.model, config.training.seq_len)
-        check_model_unchanged(snapshot, config, args, rank0=dist.get_rank() == 0)
-    built = build_parallel_model(config, setup)
-    return built, snapshot, load_eval_weights(built, snapshot)
 
 
 @torch.no_grad()
@@ -214,13 +173,6 @@ def plot_loss_by_position(
     plt.close(figure)
 
 
-def weights_tag(config: JobConfig, snapshot: Path | None) -> str:
-    """The weights in an output's name: the snapshot (``step-N``), else the initial weights."""
-    if snapshot is not None:
-        return snapshot.name
-    return "hf" if config.checkpoint.initial_load_in_hf else "dcp"
-
-
 def mask_tag(config: JobConfig) -> str:
     """The mask in an output's name: [training] attention_mask (and per-document positions)."""
     training = config.training
@@ -236,19 +188,7 @@ def output_paths(config: JobConfig, tokens_file: str, snapshot: Path | None) -> 
     return folder / f"{name}_{mask_tag(config)}.png", folder / f"{name}_{mask_tag(config)}.json"
 
 
-def write_outputs(paths: tuple[Path, Path], record: dict, plot, *, overwrite: bool) -> None:
-    """The JSON ``record`` and the plot (``plot(path)`` draws it), each written under a temporary
-    name and renamed into place; an existing file is replaced only with ``overwrite``."""
-    picture, result = paths
-    with writing_file(result, overwrite=overwrite) as temporary:
-        temporary.write_text(json.dumps(record, indent=1) + "\n")
-    with writing_file(picture, overwrite=overwrite) as temporary:
-        plot(temporary)
-
-
 def main(argv: list[str]) -> int:
-    from upipe_dtensor.jobs import retrieval  # it imports load_job_model from this module
-
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

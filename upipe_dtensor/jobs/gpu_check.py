@@ -50,6 +50,7 @@ from torchtitan.models.llama3.model.model import Transformer
 
 from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.jobs.build import configure_allocator
+from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, choose_backend
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel import ContextParallelAttention
@@ -342,8 +343,6 @@ def _device_bytes(device_type: str) -> int:
 
 def measure_step(config, plan: Plan) -> StepRow:
     """A warm-up step, then one timed step with fresh peak-memory statistics."""
-    from upipe_dtensor.jobs.trainer import Trainer  # the trainer pulls in the data pipeline
-
     trainer = Trainer(config)
     seq_len = config.training.seq_len
     tokens = torch.randint(0, trainer.setup.tokenizer.vocab_size, (1, seq_len))

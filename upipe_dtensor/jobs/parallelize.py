@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.jobs.setup import JobSetup
+from upipe_dtensor.jobs.setup import ParallelMeshes as ParallelMeshes  # re-exported: their old
+from upipe_dtensor.jobs.setup import build_meshes as build_meshes  # home, which callers import
 from upipe_dtensor.kernels.fused import use_backend as use_fused_backend
 from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.kept_attention import KeptAttention
@@ -33,9 +35,6 @@ from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpoin
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
 from upipe_dtensor.parallel import ContextParallelAttention
-
-if TYPE_CHECKING:
-    from upipe_dtensor.jobs.build import JobSetup
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -48,42 +47,6 @@ class Parallelized:
     """The context-parallel style: its ``shard_positions`` lays out every sequence."""
     host_offload: HostOffload | None
     """The activation offload (for its host-memory report), if on."""
-
-
-@dataclass(frozen=True)
-class ParallelMeshes:
-    """The (dp_shard, cp_ring, cp_heads) world mesh, its flattened cp and dp_shard x cp meshes.
-
-    The head axis is innermost (one node's NVLink domain carries the all-to-alls), the ring axis
-    crosses nodes; without a ring axis (ring degree 1) cp is the head axis.
-    """
-
-    world: DeviceMesh
-    fsdp: DeviceMesh
-    cp: DeviceMesh
-    """All C context-parallel ranks of one sequence, in (ring, heads) order."""
-
-    @property
-    def dp_shard(self) -> DeviceMesh:
-        return self.world["dp_shard"]
-
-    @property
-    def cp_2d(self) -> DeviceMesh:
-        """The (cp_ring, cp_heads) mesh of 2D context parallelism."""
-        return self.world["cp_ring", "cp_heads"]
-
-
-def build_meshes(device_type: str, dp_shard: int, cp: int, ring: int = 1) -> ParallelMeshes:
-    world = init_device_mesh(
-        device_type,
-        (dp_shard, ring, cp // ring),
-        mesh_dim_names=("dp_shard", "cp_ring", "cp_heads"),
-    )
-    return ParallelMeshes(
-        world=world,
-        fsdp=world["dp_shard", "cp_ring", "cp_heads"]._flatten("dp_shard_cp"),
-        cp=world["cp_ring", "cp_heads"]._flatten("cp"),
-    )
 
 
 def kept_attention(setup: JobSetup) -> KeptAttention | None:

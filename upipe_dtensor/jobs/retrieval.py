@@ -49,9 +49,9 @@ from torch import Tensor
 from upipe_dtensor.checkpointing.outputs import refuse_existing
 from upipe_dtensor.checkpointing.snapshots import snapshot_candidates
 from upipe_dtensor.config import ConfigError, JobConfig, parse_args
-from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, Tokenizer, build_tokenizer
+from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, Tokenizer, job_tokenizer
 from upipe_dtensor.jobs.build import ParallelModel
-from upipe_dtensor.jobs.evaluate import load_job_model, weights_tag, write_outputs
+from upipe_dtensor.jobs.eval_common import load_job_model, weights_tag, write_outputs
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -192,15 +192,6 @@ def check_lengths_split(config: JobConfig, lengths: list[int]) -> None:
             f"--lengths: {', '.join(map(str, bad))} token(s) cannot be split over "
             f"context_parallel_degree = {cp}; use multiples of {cp}: {fixes}"
         )
-
-
-def job_tokenizer(config: JobConfig) -> Tokenizer:
-    """The job's tokenizer, before any process group (ConfigError as ``set_up_job`` words it)."""
-    try:
-        return build_tokenizer(config.model.tokenizer_folder)
-    except ValueError as err:
-        where = config.source_of("model.tokenizer_path", "model.hf_assets_path")
-        raise ConfigError(f"{where}: [model] tokenizer_path: {err}") from err
 
 
 def haystack_documents(config: JobConfig, haystack: str | None) -> Iterable[str]:

@@ -97,7 +97,7 @@ class Trainer:
 
     def __init__(self, config: JobConfig, *, placement: Placement = Placement()) -> None:
         """By default the trainer picks its device (CUDA if present) and builds its meshes; the
-        memory planner decides them with ``placement`` (see ``jobs.build.Placement``)."""
+        memory planner decides them with ``placement`` (see ``jobs.setup.Placement``)."""
         self.config = config
         # A real job checks its data first; the planner lays out fake ranks and reads no data.
         scan = _check_before_process_group(config) if placement.meshes is None else None

@@ -23,16 +23,16 @@ KV head i // (hq // hk)). LSE is (batch, hq, seq) float32.
 Backends (``[parallelism] attention_backend``; ``kernels.backends`` chooses one) and the aten or
 flash-attn calls they make here: ``fa3``, ``fa4`` and ``sdpa`` call aten's flash ops (16-bit;
 grouped K/V as they are; documents through the varlen path, one launch per block), which torch's
-flash-attention registry points at FA3's or FA4's kernels (``backends.activate_backend``); ``sdpa``
-in float32 calls aten's memory-efficient op; ``cudnn`` aten's cuDNN op (LSE (B, h, S, 1); no
-document masks: refused when asked); ``flash`` the flash-attn package; on CPU the CPU flash op.
+flash-attention registry points at FA3's or FA4's kernels (``flash_registry.activate_backend``);
+``sdpa`` in float32 calls aten's memory-efficient op; ``cudnn`` aten's cuDNN op (LSE (B, h, S, 1);
+no document masks: refused when asked); ``flash`` the flash-attn package; on CPU the CPU flash op.
 The kernel is chosen from the backend and the device the job runs on (``kernel_device``), never
 from the tensors' device: aten's CUDA attention ops have meta kernels, so the memory planner and
 the tests trace the CUDA branch on fake CPU tensors (fake ``cuda`` tensors would abort autograd in
 a CPU-only build). The one thing that cannot run on fake tensors is flash-attn's compiled module:
 there its twin, aten's copy of the same FlashAttention-2 kernels (same outputs, same LSE layouts),
 is traced instead. The other device-only pieces (streams, events, pinned memory) are in
-``memory/host_store.py``, whose CPU twin is the same code with plain copies.
+``runtime/host_store.py``, whose CPU twin is the same code with plain copies.
 
 Document boundaries (varlen ``cu_seqlens``, a past block's shared document) are computed once per
 step per document-id tensor and sent to the device without a host sync
@@ -47,9 +47,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_dtensor.kernels.backends import REGISTRY_IMPLS
 from upipe_dtensor.kernels.document_blocks import segments as document_segments
 from upipe_dtensor.kernels.document_blocks import shared_document, varlen_seqlens
+from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
 
 # --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
 

@@ -32,12 +32,14 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from upipe_dtensor.kernels import probe
+from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
+from upipe_dtensor.kernels.flash_registry import activate_backend as activate_backend  # re-export
+
 BACKENDS = ("auto", "fa3", "fa4", "cudnn", "flash", "sdpa")
 """What a user chooses (``[parallelism] attention_backend``)."""
 CUDA_BACKENDS = ("fa3", "fa4", "cudnn", "flash")
 """Backends with no CPU kernel."""
-REGISTRY_IMPLS = {"fa3": "FA3", "fa4": "FA4"}
-"""Backends that run aten's flash ops re-registered through torch's flash-attention registry."""
 FLASH_ATTN_VERSIONS = ("2.7.0", "2.8.3")
 """flash-attn releases this code is written for: from 2.7.0 (the 11-argument
 ``_flash_attn_forward`` returning 4 values) up to 2.8.3, the newest checked against our calls."""
@@ -178,9 +180,7 @@ def _install_problem(name: str) -> str | None:
 def probe_problem(name: str, head_dim: int, dtype: torch.dtype, documents: bool) -> str:
     """Why ``name`` fails a tiny forward and backward on this GPU ("" when it runs right):
     ``kernels.probe``, whose first call per shape takes milliseconds."""
-    from upipe_dtensor.kernels.probe import probe_problem as probe  # probe imports attention
-
-    return probe(name, head_dim, dtype, documents)
+    return probe.probe_problem(name, head_dim, dtype, documents)
 
 
 def _runtime_problem(
@@ -264,23 +264,6 @@ def check_kernel_limits(backend: str, head_dim: int, dtype: torch.dtype | None =
         + (f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else "")
         + (f": use {' or '.join(map(repr, working))}" if working else ": no CUDA kernel runs it")
     )
-
-
-def activate_backend(backend: str) -> None:
-    """Point aten's flash ops at the backend's kernels on this (real) GPU: FA3 or FA4 through
-    torch's registry, FlashAttention-2 (torch's default) for every other backend. Process-wide,
-    as torch's registry is; called once per job (and per backend by ``gpu_check``)."""
-    from torch.nn.attention import (
-        activate_flash_attention_impl,
-        current_flash_attention_impl,
-        restore_flash_attention_impl,
-    )
-
-    impl = REGISTRY_IMPLS.get(backend)
-    if impl is not None and current_flash_attention_impl() != impl:
-        activate_flash_attention_impl(impl)
-    elif impl is None and current_flash_attention_impl() is not None:
-        restore_flash_attention_impl()
 
 
 def op_kernel(backend: str, kernel_device: str, x: Tensor, *, documents: bool = False) -> str:

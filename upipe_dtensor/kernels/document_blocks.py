@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
-from upipe_dtensor.memory.host_store import to_device
+from upipe_dtensor.runtime.host_store import to_device
 
 T = TypeVar("T")
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
+from upipe_dtensor.kernels.flash_registry import activate_backend
 
 TOKENS, QUERY_HEADS, KV_HEADS = 128, 2, 1
 TOLERANCE = 0.05
@@ -33,8 +34,6 @@ wrong layout or argument order is off by order one."""
 def probe_problem(backend: str, head_dim: int, dtype: torch.dtype, documents: bool) -> str:
     """Why ``backend`` fails the probe on this process's GPU ("" when it passes)."""
     from torch.nn.attention import current_flash_attention_impl, restore_flash_attention_impl
-
-    from upipe_dtensor.kernels.backends import activate_backend  # backends imports this lazily
 
     previous = current_flash_attention_impl()
     try:

@@ -1,2 +1,5 @@
 """Memory-saving pieces of the long-context stack: activation checkpointing with host offload
-(and the host store it parks tensors in), tiled MLP and RMSNorm, chunked output + cross-entropy."""
+(``offload``), attention kept from forward for the recompute (``kept_attention``), tiled MLP
+(``tiled_mlp``) and RMSNorm (``rms_norm``), chunked output + cross-entropy (``chunked_loss``).
+The host store they park tensors in is ``runtime.host_store`` (``host_store`` here is its old
+import path)."""

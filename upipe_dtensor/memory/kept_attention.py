@@ -7,7 +7,7 @@ Keeping each layer's attention output and LSE from the first forward (what every
 saves for its own backward) lets the recompute skip the attention: it only forms the layer's output
 ``out @ wo.T`` again, one matmul. ``"device"`` keeps them on the device (per layer N*H*d*b plus
 the LSEs, N local tokens, from the layer's forward to its backward); ``"host"`` parks them in host
-memory through the shared ``memory.host_store`` and fetches each back during the recompute, the
+memory through the shared ``runtime.host_store`` and fetches each back during the recompute, the
 next layer's (backward runs layers in reverse) prefetched while the current one runs.
 
 A first forward is told from a recompute by whether autograd's engine is running a backward
@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from upipe_dtensor.memory.host_store import HostMemory
+from upipe_dtensor.runtime.host_store import HostMemory
 
 KeepAttention = Literal["none", "host", "device"]
 

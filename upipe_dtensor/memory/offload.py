@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
-from upipe_dtensor.memory.host_store import HostStore, Parked
+from upipe_dtensor.runtime.host_store import HostStore, Parked
 
 
 @dataclass

@@ -1,5 +1,10 @@
-"""Context-parallel attention: layouts, the all-to-all, the ring, the UPipe and FPDT ops, and the
-ParallelStyles."""
+"""Context-parallel attention: the ParallelStyles (``style``) and the ops they run.
+
+``layouts`` says which tokens a rank holds, ``head_schedule`` which heads each UPipe stage moves;
+``all_to_all`` is the sequence <-> head exchange, ``projections`` a stage's Q/K/V through it,
+``ring`` the ring attention; ``staged_attention`` (UPipe, Ulysses, ring, 2D) and
+``fpdt_attention`` (chunked) are the ops, registered as one custom op each by ``attention_op``.
+"""
 
 from upipe_dtensor.parallel.style import (
     ContextParallelAttention,

@@ -2,11 +2,10 @@
 
 Ulysses layout change: a rank holding its contiguous sequence shard for all heads trades it for
 the whole sequence of its share of the heads, and back. ``start_*`` begin an exchange and return
-an ``Exchange`` to wait on later (the staged op overlaps the next stage's exchanges with this
-stage's attention); the plain functions wait at once. They are what the UPipe op calls inside
-its (eager) stage loop; ``seq_to_head`` / ``head_to_seq`` below are the same
-exchange as differentiable custom ops with fake implementations, so other attention styles can
-use them inside ``torch.compile(fullgraph=True)``. Works with gloo (CPU) and NCCL (CUDA).
+an ``Exchange`` to wait on later: the Ulysses-family ops (``projections``, under the staged and
+FPDT ops) overlap the next stage's exchanges with this stage's attention. They run inside the
+attention custom op (``attention_op``), which compile sees as one opaque node, so they need no
+fake implementation of their own. Works with gloo (CPU) and NCCL (CUDA).
 """
 
 from __future__ import annotations
@@ -96,57 +95,6 @@ def start_heads_to_sequence(
     return _start(send, group, arrange)
 
 
-def sequence_to_heads(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
-    """``start_sequence_to_heads``, waited for."""
-    return start_sequence_to_heads(x, group, head_degree).result()
-
-
-def heads_to_sequence(x: Tensor, group: dist.ProcessGroup | None, head_degree: int) -> Tensor:
-    """``start_heads_to_sequence``, waited for."""
-    return start_heads_to_sequence(x, group, head_degree).result()
-
-
 def _group(group_name: str) -> dist.ProcessGroup:
+    """The process group a custom op's string argument names (``projections.resolve_group``)."""
     return _resolve_process_group(group_name)
-
-
-@torch.library.custom_op("upipe::seq_to_head", mutates_args=())
-def seq_to_head(x: Tensor, group_name: str, head_degree: int) -> Tensor:
-    """Differentiable, compile-friendly ``sequence_to_heads`` (the group is named by its string)."""
-    out = sequence_to_heads(x, _group(group_name), head_degree)
-    return out.clone() if out is x else out
-
-
-@torch.library.custom_op("upipe::head_to_seq", mutates_args=())
-def head_to_seq(x: Tensor, group_name: str, head_degree: int) -> Tensor:
-    """Differentiable, compile-friendly ``heads_to_sequence``."""
-    out = heads_to_sequence(x, _group(group_name), head_degree)
-    return out.clone() if out is x else out
-
-
-@seq_to_head.register_fake
-def _(x: Tensor, group_name: str, head_degree: int) -> Tensor:
-    batch, local_len, heads, head_dim = x.shape
-    return x.new_empty(batch, local_len * head_degree, heads // head_degree, head_dim)
-
-
-@head_to_seq.register_fake
-def _(x: Tensor, group_name: str, head_degree: int) -> Tensor:
-    batch, seq_len, heads, head_dim = x.shape
-    return x.new_empty(batch, seq_len // head_degree, heads * head_degree, head_dim)
-
-
-def _save_group(ctx, inputs, output) -> None:
-    _, ctx.group_name, ctx.head_degree = inputs
-
-
-def _seq_to_head_backward(ctx, grad: Tensor):
-    return head_to_seq(grad, ctx.group_name, ctx.head_degree), None, None
-
-
-def _head_to_seq_backward(ctx, grad: Tensor):
-    return seq_to_head(grad, ctx.group_name, ctx.head_degree), None, None
-
-
-seq_to_head.register_autograd(_seq_to_head_backward, setup_context=_save_group)
-head_to_seq.register_autograd(_head_to_seq_backward, setup_context=_save_group)

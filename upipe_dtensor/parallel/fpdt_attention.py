@@ -236,7 +236,7 @@ def fpdt_backward(
             parking.put(("o", i), span.to_heads(span.read_stage(out[:, layer.local[i]], stage)))
             parking.put(("do", i), span.output_grad(grad_y[:, layer.local[i]], wo, stage))
 
-        # Planning (fake tensors) runs a few of the identical chunk pairs (``memory.tiling``): the
+        # Planning (fake tensors) runs a few of the identical chunk pairs (``kernels.tiling``): the
         # first pass over the query chunks parks every partial dQ, so host memory is counted
         # whole; K/V chunks are skipped only when no partial dK/dV outlive the stage.
         outer = (

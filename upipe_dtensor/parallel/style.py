@@ -237,10 +237,12 @@ class UPipeAttention(ContextParallelAttention):
             attention and wait for them just before their use, so the exchanges run while
             attention computes (one more stage's Q/K/V or output buffers in flight). No effect
             with one stage (Ulysses) or with ``chunk_tokens``, whose exchanges are waited for.
-        backend (str): local attention kernel: "auto" (flash-attn on CUDA if it imports, else
-            PyTorch's own), "flash" (flash-attn), "cudnn" (aten's cuDNN attention) or "sdpa"
-            (aten's flash kernel, memory-efficient for float32, the CPU kernel on CPU); see
-            ``kernels.attention``.
+        backend (str): local attention kernel, one of ``kernels.backends.BACKENDS``: "fa3",
+            "fa4" (FlashAttention-3/4 through torch's flash registry), "cudnn" (aten's cuDNN
+            attention), "flash" (the flash-attn package), "sdpa" (aten's flash kernel,
+            memory-efficient for float32, the CPU kernel on CPU), or "auto": on CUDA the first
+            that runs here in ``kernels.backends.AUTO_ORDER`` (Hopper: fa3, cudnn, fa4, flash,
+            sdpa), on CPU sdpa.
         kernel_device (str, optional): the device type the kernels are chosen for; None means
             the tensors' own. The memory planner passes "cuda" to trace the CUDA kernels on fake
             CPU tensors.

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
@@ -44,6 +43,7 @@ from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
 from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
 from upipe_dtensor.planning.step_work import StepWorkCounter
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker
+from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
 from upipe_dtensor.runtime.process_group import (
     backend_device_types,
     holds_host_tensors,
@@ -467,7 +467,7 @@ def plan_job(
         metrics=dataclasses.replace(config.metrics, enable_tensorboard=False),
         compile=dataclasses.replace(config.compile, backend=planned_compile.PLANNER_BACKEND),
     )
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    init_fake_process_group(world_size)
     forget_head_indices()
     try:
         meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)

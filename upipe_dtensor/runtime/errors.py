@@ -1,7 +1,8 @@
 """How a command ends: run-time outcomes reported in one line instead of a traceback, and the
 one ladder from outcome to exit code that every command (train.py, evaluate, convert, plan) uses.
 
-``ConfigError`` (in ``config``) covers what the user wrote; these cover what the run found.
+``ConfigError`` covers what the user wrote; ``JobError``, ``JobComplete`` and ``JobStopped`` cover
+what the run found (all four live in the leaf ``upipe_dtensor.errors`` and are re-exported here).
 Exit codes: 0 done (or nothing left to do); 1 a run-time failure explained in one line; 2 a
 configuration error; 128 + N stopped by signal N (after saving a snapshot, for a training job
 stopped between steps; 130 for Ctrl-C).
@@ -18,25 +19,17 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from upipe_dtensor.config.schema import ConfigError
+from upipe_dtensor.errors import ConfigError, JobComplete, JobError, JobStopped
 
-
-class JobError(RuntimeError):
-    """A failure with a known cause; the message names it, what is safe, and what to do."""
-
-
-class JobComplete(Exception):
-    """The newest snapshot already reached ``[training] steps``: there is nothing to train."""
-
-
-class JobStopped(Exception):
-    """SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) stopped the job at a step boundary (after saving, if
-    checkpointing is on); train.py exits with 128 + the signal number, as a process killed by it
-    would."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.signum = signum
+__all__ = [
+    "ConfigError",
+    "JobComplete",
+    "JobError",
+    "JobStopped",
+    "end_process",
+    "report_outcome",
+    "run_main",
+]
 
 
 def report_outcome(message: str, code: int) -> int:

@@ -14,9 +14,12 @@ The trainer (``jobs.build``), ``gpu_check`` and the planner all take the string 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 
-from upipe_dtensor.config.schema import JobConfig
+if TYPE_CHECKING:  # the config layer sits above the runtime (tests/test_layering.py)
+    from upipe_dtensor.config.schema import JobConfig
 
 
 def holds_host_tensors(config: JobConfig) -> bool:

@@ -1,0 +1,245 @@
+"""The package's import graph: no cycles between modules, and the layers import downwards only.
+
+The graph is static (``ast`` over ``upipe_dtensor/**/*.py``): module-level and function-level
+imports both count, so a function-level import cannot hide a cycle; imports under
+``if TYPE_CHECKING:`` do not (annotations only, never run). ``LAYERS`` is the order, lowest
+first; a module may import its own layer and those below it, never one above. The ``jobs``
+package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, ``trainer``),
+which the planner rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
+gpu_check), which may ask the planner (``gpu_check`` prints the plan beside the measured step).
+
+The design notes' "Layout" section (``docs/design.md``) must name every module file, one line
+each; the last test compares it with the tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "upipe_dtensor"
+
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("errors", ("errors",)),
+    ("runtime", ("runtime",)),
+    ("kernels", ("kernels",)),
+    ("memory", ("memory",)),
+    ("parallel", ("parallel",)),
+    ("models", ("models",)),
+    ("checkpointing", ("checkpointing",)),
+    ("config", ("config",)),
+    ("data", ("data",)),
+    ("job assembly", ("jobs", "jobs.setup", "jobs.build", "jobs.parallelize", "jobs.trainer")),
+    ("planning", ("planning",)),
+    (
+        "commands",
+        (
+            "jobs.eval_common",
+            "jobs.evaluate",
+            "jobs.retrieval",
+            "jobs.convert",
+            "jobs.gpu_check",
+            "plan",
+            "evaluate",
+            "convert",
+            "gpu_check",
+            "data_report",
+        ),
+    ),
+    ("package exports", ("",)),
+)
+"""Lowest first. Each entry names modules relative to ``upipe_dtensor`` ("" is the package's
+``__init__``); a module belongs to the entry naming it or its nearest enclosing package."""
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__``)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_names(module: str, source: str, *, package: bool) -> list[tuple[str, int]]:
+    """(dotted name, line) of every import ``source`` (of ``module``, a ``package``'s
+    ``__init__`` or not) runs, at any depth, outside TYPE_CHECKING; ``from a import b`` gives
+    ``a.b`` (a module, or a name in ``a``)."""
+    names: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package, up level - 1 packages
+                parts = module.split(".") if package else module.split(".")[:-1]
+                base = ".".join(parts[: len(parts) - node.level + 1] + [node.module or ""])
+            else:
+                base = node.module or ""
+            names.extend((f"{base.rstrip('.')}.{alias.name}", node.lineno) for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return names
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported module of the package: first line importing it}."""
+    modules = module_files()
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        edges: dict[str, int] = {}
+        source = path.read_text()
+        for name, line in _imported_names(module, source, package=path.name == "__init__.py"):
+            while name and name not in modules:  # a name inside a module: the module
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                edges.setdefault(name, line)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def layer_of(module: str) -> int:
+    """The position in ``LAYERS`` of the entry naming ``module`` or its nearest package."""
+    relative = module.removeprefix("upipe_dtensor").removeprefix(".")
+    owners = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
+    name = relative
+    while name not in owners:
+        if not name:
+            raise KeyError(module)
+        name = name.rpartition(".")[0]
+    return owners[name]
+
+
+def test_graph_sees_imports() -> None:
+    """The parser finds what it must: a function-level import, a relative one, and none under
+    TYPE_CHECKING (checked on a snippet, so a parser bug cannot pass the tests below vacuously)."""
+    graph = import_graph()
+    assert "upipe_dtensor.jobs.build" in graph["upipe_dtensor.jobs.eval_common"]
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import schema\n"
+        "if TYPE_CHECKING:\n"
+        "    from upipe_dtensor.jobs import build\n"
+        "def f():\n"
+        "    from upipe_dtensor.kernels import probe\n"
+    )
+    imported = _imported_names("upipe_dtensor.config.loader", source, package=False)
+    names = [name for name, _ in imported]
+    assert "upipe_dtensor.config.schema" in names
+    assert "upipe_dtensor.kernels.probe" in names
+    assert "upipe_dtensor.jobs.build" not in names
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    found = cycles(graph)
+    described = [
+        " -> ".join(component)
+        + ": "
+        + "; ".join(
+            f"{source} imports {target} (line {graph[source][target]})"
+            for source in component
+            for target in component
+            if target in graph[source]
+        )
+        for component in found
+    ]
+    assert not found, "import cycles:\n" + "\n".join(described)
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = []
+    for module in module_files():
+        try:
+            layer_of(module)
+        except KeyError:
+            unplaced.append(module)
+    assert not unplaced, f"modules in no entry of LAYERS (tests/test_layering.py): {unplaced}"
+
+
+def test_layers_import_downwards() -> None:
+    graph = import_graph()
+    upward = [
+        f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} "
+        f"({LAYERS[layer_of(target)][0]}) at line {line}"
+        for source, edges in sorted(graph.items())
+        for target, line in sorted(edges.items())
+        if layer_of(target) > layer_of(source)
+    ]
+    order = " < ".join(name for name, _ in LAYERS)
+    assert not upward, f"upward imports (order: {order}):\n" + "\n".join(upward)
+
+
+LAYOUT_LINE = re.compile(r"^(upipe_dtensor/\S+\.py)\s+\S")
+
+
+def documented_layout() -> list[str]:
+    """The module files the "Layout" section of docs/design.md names, one per line, in order."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert section, 'docs/design.md has no "## Layout" section'
+    return [m.group(1) for line in section.group(1).splitlines() if (m := LAYOUT_LINE.match(line))]
+
+
+def test_design_layout_names_every_module() -> None:
+    named = documented_layout()
+    tree = sorted(str(path.relative_to(ROOT)) for path in module_files().values())
+    repeated = sorted({name for name in named if named.count(name) > 1})
+    missing = sorted(set(tree) - set(named))
+    extra = sorted(set(named) - set(tree))
+    assert not (missing or extra or repeated), (
+        f'docs/design.md "Layout": missing {missing}, naming files that do not exist {extra}, '
+        f"named twice {repeated}"
+    )
