@@ -28,11 +28,11 @@ from upipe_dtensor.data.loader import job_tokenizer
 from upipe_dtensor.jobs.parallelize import DTYPES, parallelize_llama
 from upipe_dtensor.jobs.setup import JobSetup, Placement, build_meshes
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
-from upipe_dtensor.memory.host_store import to_device
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import LongContextModel, family_of, init_sharded_weights
 from upipe_dtensor.models.hf_config import ModelArgs, model_args
 from upipe_dtensor.parallel import ContextParallelAttention
+from upipe_dtensor.runtime.host_store import to_device
 from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
 
 

@@ -110,7 +110,7 @@ class AttentionParams:
     """Attention kept for the recompute (``memory.kept_attention``): the store's name, or "" for
     none."""
     store_name: str = ""
-    """FPDT: the host store that parks earlier chunks (``memory.host_store.named_host_store``)."""
+    """FPDT: the host store that parks earlier chunks (``runtime.host_store.named_host_store``)."""
     output_is_scratch: bool = False
     """Set by the op for its backward, never by a style: the saved output may be overwritten (it
     comes from a checkpoint's recompute; see the module docstring)."""

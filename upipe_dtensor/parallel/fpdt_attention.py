@@ -19,7 +19,7 @@ loop over query chunks i >= j, so dK_j, dV_j are final after one inner loop and 
 outer step j = i; each final gradient goes straight back through its all-to-all into dx and the
 weight gradients. Partial dQ (and, for KV blocks shared by several stages, partial dK/dV) wait on
 the host. The next chunk is prefetched while the current one computes (side-stream copies into
-pinned buffers on CUDA, through the shared ``memory.host_store``; plain copies on CPU).
+pinned buffers on CUDA, through the shared ``runtime.host_store``; plain copies on CPU).
 
 Like UPipe (and unlike DeepSpeed's FPDT) the op saves only x, the output and the LSEs and
 re-projects each chunk in backward: under full activation checkpointing, which every long-context
@@ -50,11 +50,11 @@ from upipe_dtensor.kernels.attention import attention_backward, attention_forwar
 from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import PartialAttention, accumulator
 from upipe_dtensor.kernels.tiling import visited
-from upipe_dtensor.memory.host_store import HostStore, Parked, named_host_store
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.layouts import split_lengths
 from upipe_dtensor.parallel.projections import AttentionProjections
 from upipe_dtensor.parallel.qk_transform import QKTransform
+from upipe_dtensor.runtime.host_store import HostStore, Parked, named_host_store
 
 
 class _Chunks:
@@ -334,5 +334,5 @@ def fpdt_attention(
     """Differentiable FPDT attention including the output projection ``weights.wo`` of a
     chunk-strided
     shard; see the module docstring. ``params.chunks`` sequence chunks; ``params.store_name``
-    names the host store (``memory.host_store.named_host_store``) for parked chunks."""
+    names the host store (``runtime.host_store.named_host_store``) for parked chunks."""
     return _OP(x, weights, rope, doc_ids, params)

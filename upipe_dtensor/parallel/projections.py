@@ -19,7 +19,6 @@ from torch import Tensor
 
 from upipe_dtensor.kernels.merge import accumulator
 from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
-from upipe_dtensor.memory.host_store import to_device
 from upipe_dtensor.parallel.all_to_all import (
     Exchange,
     _group,
@@ -29,6 +28,7 @@ from upipe_dtensor.parallel.all_to_all import (
 from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.head_schedule import HeadSchedule, Stage, make_head_schedule
 from upipe_dtensor.parallel.qk_transform import QKTransform
+from upipe_dtensor.runtime.host_store import to_device
 
 UNSHARDED_DX_ROUNDINGS = 5
 """How often the unsharded model rounds an attention layer's dx in bf16: three products (through

@@ -24,7 +24,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from upipe_dtensor.kernels.backends import BACKENDS, CUDA_BACKENDS, check_kernel_limits
 from upipe_dtensor.kernels.rope import rope_table
-from upipe_dtensor.memory.host_store import HostMemory
 from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.parallel.attention_kinds import (
     attention_kind,
@@ -42,6 +41,7 @@ from upipe_dtensor.parallel.layouts import (
     two_d_positions,
 )
 from upipe_dtensor.parallel.staged_attention import staged_attention
+from upipe_dtensor.runtime.host_store import HostMemory
 
 
 @dataclass(frozen=True)

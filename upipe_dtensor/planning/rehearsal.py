@@ -30,7 +30,7 @@ place tensors as the CUDA job does:
   (``FSDPParamGroup.finalize_backward``): one sync per backward that delivers offloaded
   gradients, counted here as FSDP2's code does it on CUDA.
 
-The copies of the project's one device-runtime seam (``memory.host_store``) are non_blocking from
+The copies of the project's one device-runtime seam (``runtime.host_store``) are non_blocking from
 pinned memory on CUDA; rehearsing, the seam makes the same calls on its stand-ins and marks their
 buffers as pinned (``host_store.rehearsing``), so a blocking or pageable copy there is seen too.
 
@@ -63,8 +63,8 @@ from torch.utils._pytree import tree_flatten
 
 from upipe_dtensor.kernels import fused
 from upipe_dtensor.kernels.tiling import repeats
-from upipe_dtensor.memory import host_store
 from upipe_dtensor.planning.tracker import run_op_bodies
+from upipe_dtensor.runtime import host_store
 
 _READS = {
     Tensor.item: ".item()",

@@ -89,7 +89,7 @@ class StepShape:
     offload_on_compute_stream: bool = False
     """The block inputs' host copies run on the compute stream both ways, each waited for (the
     UPipe paper's ``torch.autograd.graph.save_on_cpu``); False: this repository's offload, on
-    side streams (``memory/host_store.py``)."""
+    side streams (``runtime/host_store.py``)."""
 
 
 @dataclass
