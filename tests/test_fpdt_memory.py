@@ -19,7 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
 from upipe_dtensor.kernels.op_mode import transparent_ops
-from upipe_dtensor.parallel.attention_op import AttentionParams
+from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
 from upipe_dtensor.runtime.host_store import HostMemory
@@ -57,7 +57,9 @@ def _transients(chunks: int, chunk_tokens: int) -> tuple[int, int, int]:
         # Checkpointed, as every long-context recipe runs it: backward recomputes the forward,
         # whose saved output then holds the query gradients (``AttentionParams
         # .output_is_scratch``).
-        out = checkpoint(fpdt_attention, x, *weights, rope, None, params, use_reentrant=False)
+        out = checkpoint(
+            fpdt_attention, x, AttentionWeights(*weights), rope, None, params, use_reentrant=False
+        )
         # Alive through the loop: the pre-wo output buffer and the LSEs (saved for backward). The
         # layer output y comes after the loop; it must be below the loop's own peak.
         saved = seq_len * HEADS * HEAD_DIM * 4 + _lse_bytes(seq_len)
