@@ -49,8 +49,15 @@ def tiny_hf_config(*, tie_word_embeddings: bool = False) -> LlamaConfig:
 def write_tiny_hf_llama(folder: Path, *, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
     """Save a random tiny Llama (and the shipped tokenizer) to ``folder``; returns it."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_hf_config(tie_word_embeddings=tie_word_embeddings)).float()
-    with torch.no_grad():  # transformers initialises norms to 1: make them count in the test
+    config = tiny_hf_config(tie_word_embeddings=tie_word_embeddings)
+    return save_with_random_norms(LlamaForCausalLM(config).float(), folder)
+
+
+def save_with_random_norms(model: torch.nn.Module, folder: Path) -> Path:
+    """Save a transformers model to ``folder`` with its norm weights drawn from [0.5, 1.5]
+    (transformers initialises them to 1, which would hide them from the test), and the shipped
+    tokenizer beside it; returns ``folder``."""
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)

@@ -5,18 +5,18 @@ transformers; a Qwen3 folder under ``[model] name = "llama3"`` is refused naming
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from harness import gather_sequence, rel_err, run_on_ranks
-from hf_tiny import REPO, SEQ_LEN, random_tokens, safetensors_weights
+from hf_tiny import SEQ_LEN, random_tokens, safetensors_weights, save_with_random_norms
+from test_hf import _job as hf_job
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from upipe_dtensor import convert
-from upipe_dtensor.config import ConfigError, check_job, parse_args
+from upipe_dtensor.config import ConfigError, check_job
 from upipe_dtensor.jobs.build import build_parallel_model, load_initial_weights
 from upipe_dtensor.jobs.evaluate import position_loss_sums
 
@@ -44,15 +44,7 @@ def qwen3_folder(tmp_path_factory) -> Path:
         eos_token_id=1,
     )
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "assets/tokenizer" / name, folder / name)
-    return folder
+    return save_with_random_norms(Qwen3ForCausalLM(config).float(), folder)
 
 
 def _reference(folder: Path) -> Qwen3ForCausalLM:
@@ -60,32 +52,8 @@ def _reference(folder: Path) -> Qwen3ForCausalLM:
 
 
 def _job(dump: Path, hf: Path, *extra: str):
-    return parse_args(
-        [
-            "--config",
-            str(REPO / "train_configs/debug_model.toml"),
-            "--job.dump_folder",
-            str(dump),
-            "--model.name",
-            "qwen3",
-            "--model.flavor",
-            "hf",
-            "--model.hf_assets_path",
-            str(hf),
-            "--model.tokenizer_path=",
-            "--checkpoint.initial_load_in_hf",
-            "true",
-            "--checkpoint.enable",
-            "false",
-            "--training.seq_len",
-            str(SEQ_LEN),
-            "--parallelism.context_parallel_degree",
-            "2",
-            "--metrics.enable_tensorboard",
-            "false",
-            *extra,
-        ]
-    )
+    """test_hf's job on a Hugging Face folder, for the qwen3 family, saving nothing."""
+    return hf_job(dump, hf, "--model.name", "qwen3", "--checkpoint.enable", "false", *extra)
 
 
 def _on_ranks(rank: int, world: int, dump: str, hf: str, tokens, expected, row, losses) -> None:
