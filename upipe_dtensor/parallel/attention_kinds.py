@@ -84,13 +84,17 @@ def attention_weights(module: nn.Module) -> AttentionWeights:
     return AttentionWeights(*projections, norms[0].weight, norms[1].weight)
 
 
-def qk_eps(module: nn.Module) -> float:
-    """The epsilon of the module's QK-norm (0.0 without one); torch's default when unset."""
-    norms = head_norms(module, attention_kind(module))
+def qk_transform_of(module: nn.Module) -> tuple[str, float]:
+    """The module's per-head Q/K transform and its epsilon (torch's default when the norm sets
+    none), or ("", 0.0) when it applies none."""
+    kind = attention_kind(module)
+    norms = head_norms(module, kind)
     if norms is None:
-        return 0.0
+        return "", 0.0
     eps = norms[0].eps
-    return float(eps) if eps is not None else torch.finfo(norms[0].weight.dtype).eps
+    return kind.qk_transform, float(eps) if eps is not None else torch.finfo(
+        norms[0].weight.dtype
+    ).eps
 
 
 def unused_parameters(module: nn.Module) -> list[str]:

@@ -28,7 +28,7 @@ from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.parallel.attention_kinds import (
     attention_kind,
     attention_weights,
-    qk_eps,
+    qk_transform_of,
     unused_parameters,
 )
 from upipe_dtensor.parallel.attention_op import AttentionParams
@@ -152,7 +152,7 @@ class ContextParallelAttention(ParallelStyle):
 
     def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
         """The attention op's plain values for this module on these axes."""
-        kind, eps = attention_kind(module), qk_eps(module)
+        (transform, eps), kind = qk_transform_of(module), attention_kind(module)
         return AttentionParams(
             head_group=axes.head_group,
             head_degree=axes.head_degree,
@@ -162,7 +162,7 @@ class ContextParallelAttention(ParallelStyle):
             heads_per_stage=self._stage_heads(module.n_heads, axes.head_degree),
             scale=module.head_dim**-0.5,
             rope_pairs=kind.rope_pairs,
-            qk_transform=kind.qk_transform if eps else "",
+            qk_transform=transform,
             qk_eps=eps,
             backend=self.backend,
             kernel_device=self.kernel_device or "",
