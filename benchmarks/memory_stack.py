@@ -156,7 +156,7 @@ def measure(setup: Setup, name: str, overrides: list[str], dump_folder: str) -> 
     dist.barrier()
     with profiler() as prof, record_function(STEP):
         with record_function(FORWARD):
-            loss = trainer.model(inputs, labels=labels)
+            loss = trainer.parallel(inputs, labels=labels)
         loss.backward()
     params = list(trainer.model.parameters())
     alive = _storages(loss, *params, *(p.grad for p in params))

@@ -113,7 +113,7 @@ def _logits_on_ranks(rank: int, world: int, dump: str, cases: list, tokens, pack
         stored = total - (built.model.output.weight.numel() if tied else 0)
         assert sum(reads) == stored and max(reads) <= stored // world + 2048, (reads, stored)
         with torch.no_grad():
-            logits = gather_sequence(built.model(built.shard_sequence(tokens)))
+            logits = gather_sequence(built(built.shard_sequence(tokens)))
         assert logits.shape == expected.shape
         err = rel_err(logits, expected)
         assert err <= 1e-4, err

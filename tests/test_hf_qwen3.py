@@ -60,7 +60,7 @@ def _on_ranks(rank: int, world: int, dump: str, hf: str, tokens, expected, row, 
     built = build_parallel_model(_job(Path(dump), Path(hf)))
     load_initial_weights(built)
     with torch.no_grad():
-        logits = gather_sequence(built.model(built.shard_sequence(tokens)))
+        logits = gather_sequence(built(built.shard_sequence(tokens)))
     err = rel_err(logits, expected)
     assert err <= 1e-4, err
     documents = ("--training.attention_mask", "document", "--training.position_ids", "document")

@@ -81,7 +81,7 @@ def _loss_and_grads(
     )
     trainer = Trainer(config)
     inputs, labels = next(iter(trainer.dataloader))
-    loss = trainer.model(trainer.shard_sequence(inputs), labels=trainer.shard_sequence(labels))
+    loss = trainer.parallel(trainer.shard_sequence(inputs), labels=trainer.shard_sequence(labels))
     loss.backward()
     grads = {  # checkpoint wrappers nest blocks one level down; state dicts hide that too
         n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().detach().clone()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from upipe_dtensor.jobs.build import Placement
 from upipe_dtensor.jobs.parallelize import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.memory.offload import HostOffload
+from upipe_dtensor.models import ForwardPlan
 from upipe_dtensor.models.hf_config import model_args
 
 pytestmark = pytest.mark.unit
@@ -119,7 +121,9 @@ def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
             trainer = Trainer(config, placement=Placement(meshes=meshes))
         assert trainer.model.model_args.max_seq_len == config.training.seq_len
         assert isinstance(trainer.host_offload, HostOffload)  # every recipe offloads block inputs
-        assert trainer.model.loss_chunk_tokens == config.memory.loss_chunk_tokens
+        assert trainer.parallel.forward_plan.loss_chunk_tokens == config.memory.loss_chunk_tokens
+        # The job owns how the forward runs; the model module carries none of it (issue 29).
+        assert not {f.name for f in fields(ForwardPlan)} & vars(trainer.model).keys()
         assert config.compile.enable  # every GPU recipe compiles its blocks
     finally:
         dist.destroy_process_group()

@@ -29,7 +29,7 @@ from upipe_dtensor.jobs.parallelize import DTYPES, parallelize_llama
 from upipe_dtensor.jobs.setup import JobSetup, Placement, build_meshes
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
 from upipe_dtensor.memory.offload import HostOffload
-from upipe_dtensor.models import LongContextModel, family_of, init_sharded_weights
+from upipe_dtensor.models import ForwardPlan, LongContextModel, family_of, init_sharded_weights
 from upipe_dtensor.models.hf_config import ModelArgs, model_args
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.runtime.host_store import to_device
@@ -155,6 +155,15 @@ class ParallelModel:
     cp_style: ContextParallelAttention
     """Its ``shard_positions`` says which tokens of a sequence this CP rank feeds."""
     host_offload: HostOffload | None
+    forward_plan: ForwardPlan
+    """How the job runs the model's forward (chunked loss, checkpoint groups, RoPE shard)."""
+
+    def __call__(self, tokens: Tensor, **kwargs) -> Tensor:
+        """The model's forward under the job's plan: ``model(tokens, **kwargs)`` with the loss
+        chunks, checkpoint groups and RoPE shard the config asks for. Calling ``model``
+        directly runs the plain forward (whole logits, no groups), which is exact but not the
+        job's memory."""
+        return self.model(tokens, plan=self.forward_plan, **kwargs)
 
     def shard_sequence(self, batch: Tensor) -> Tensor:
         """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
@@ -202,6 +211,7 @@ def build_parallel_model(config: JobConfig, setup: JobSetup | None = None) -> Pa
         model=model,
         cp_style=parallelized.cp_style,
         host_offload=parallelized.host_offload,
+        forward_plan=parallelized.forward_plan,
     )
 
 

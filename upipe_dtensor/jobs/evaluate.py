@@ -105,7 +105,7 @@ def position_loss_sums(built: ParallelModel, tokens: torch.Tensor) -> torch.Tens
         inputs = tokens[chosen or [0]]  # a stand-in row keeps this rank in step; not counted
         labels = torch.full_like(inputs, IGNORE_INDEX)
         labels[:, :-1] = inputs[:, 1:]
-        losses = built.model(
+        losses = built(
             built.shard_sequence(inputs),
             labels=built.shard_sequence(labels),
             per_token=True,

@@ -34,6 +34,7 @@ from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
+from upipe_dtensor.models.long_context import ForwardPlan
 from upipe_dtensor.parallel import ContextParallelAttention
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -47,6 +48,9 @@ class Parallelized:
     """The context-parallel style: its ``shard_positions`` lays out every sequence."""
     host_offload: HostOffload | None
     """The activation offload (for its host-memory report), if on."""
+    forward_plan: ForwardPlan
+    """How every forward runs the model: the chunked loss, the checkpoint groups and the style's
+    RoPE shard (the job passes it; the model holds none of it)."""
 
 
 def kept_attention(setup: JobSetup) -> KeptAttention | None:
@@ -95,7 +99,6 @@ def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallel
     meshes = setup.meshes
     mesh = meshes.cp_2d if setup.config.parallelism.ring_degree > 1 else meshes.cp
     parallelize_module(model, mesh, plan)
-    model.shard_rope = style.shard_rope  # the RoPE table once per forward, read by every layer
     return style
 
 
@@ -177,8 +180,6 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
         apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
     if config.memory.tiled_rms_norm:
         apply_tiled_rms_norm(model, config.memory.norm_tile_tokens)
-    if config.memory.chunked_loss:
-        model.loss_chunk_tokens = config.memory.loss_chunk_tokens
     compiled = config.compile
     use_fused_backend(compiled.backend if compiled.enable and compiled.fuse_tiles else None)
     if compiled.enable:
@@ -189,18 +190,24 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
         if ac.cpu_offload
         else None
     )
+    groups = ()
     if ac.mode == "full":
-        apply_activation_checkpointing(
+        groups = apply_activation_checkpointing(
             model,
             offload=offload,
             offload_skip_last=ac.cpu_offload_skip_last,
             blocks_per_checkpoint=ac.blocks_per_checkpoint,
         )
         if cp_style.kept is not None:  # a group's inner blocks recompute twice in backward
-            for group in model.checkpoint_groups:
+            for group in groups:
                 for name in group.names[:-1]:
                     block = model.layers[name]
                     block = getattr(block, "_checkpoint_wrapped_module", block)
                     cp_style.kept.expect_recomputes(block.attention, 2)
     apply_fsdp(model, setup.meshes.fsdp, config, device, setup.mixed_precision)
-    return Parallelized(cp_style=cp_style, host_offload=offload)
+    forward_plan = ForwardPlan(
+        loss_chunk_tokens=config.memory.loss_chunk_tokens if config.memory.chunked_loss else 0,
+        checkpoint_groups=groups,
+        shard_rope=cp_style.shard_rope,  # the RoPE table once per forward, read by every layer
+    )
+    return Parallelized(cp_style=cp_style, host_offload=offload, forward_plan=forward_plan)

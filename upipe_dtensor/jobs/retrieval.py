@@ -303,7 +303,7 @@ def _answer_forward(built: ParallelModel, prompt: Prompt) -> tuple[Tensor, Tenso
         lambda module, args, logits: argmaxes.append(logits.argmax(-1).flatten())
     )
     try:
-        losses = built.model(
+        losses = built(
             built.shard_sequence(inputs),
             labels=built.shard_sequence(labels),
             per_token=True,

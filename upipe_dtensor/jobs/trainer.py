@@ -262,7 +262,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for index, (inputs, labels, documents) in enumerate(shards):
             self.model.set_requires_gradient_sync(index == len(shards) - 1)
-            shard_sum = self.model(inputs, labels=labels, **documents)
+            shard_sum = self.parallel(inputs, labels=labels, **documents)
             (shard_sum * self.setup.world_size / tokens).backward()
             loss_sum += shard_sum.detach()
         max_norm = self.config.training.max_norm

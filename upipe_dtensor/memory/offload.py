@@ -121,12 +121,13 @@ def apply_activation_checkpointing(
     offload: HostOffload | None,
     offload_skip_last: int,
     blocks_per_checkpoint: int = 1,
-) -> None:
+) -> tuple[CheckpointGroup, ...]:
     """Full activation checkpointing; offload the saved inputs of all blocks but the last
     ``offload_skip_last`` (backward needs those first, so parking them buys nothing).
 
     With ``blocks_per_checkpoint`` k = 1 every block is wrapped in its own checkpoint. With k > 1
-    the blocks are checkpointed in groups of k (``CheckpointGroup``, run by the model's forward):
+    the blocks are checkpointed in groups of k (``CheckpointGroup``s, returned for the forward
+    plan, ``models.long_context.ForwardPlan``, to run in order):
     host memory for saved inputs drops k-fold, for one more forward of k - 1 blocks per group
     in backward and k - 1 more block inputs on the device while a group recomputes. A group is
     offloaded unless it holds one of the last ``offload_skip_last`` blocks.
@@ -142,7 +143,7 @@ def apply_activation_checkpointing(
                 model.layers[name],
                 checkpoint_fn=functools.partial(_checkpoint_fn, offload=use_offload),
             )
-        return
+        return ()
     groups = []
     for first in range(0, len(names), blocks_per_checkpoint):
         group = names[first : first + blocks_per_checkpoint]
@@ -152,4 +153,4 @@ def apply_activation_checkpointing(
             )
         keep_on_device = first + len(group) > len(names) - offload_skip_last
         groups.append(CheckpointGroup(group, None if keep_on_device else offload))
-    model.checkpoint_groups = groups
+    return tuple(groups)

@@ -5,6 +5,7 @@ from upipe_dtensor.models.family import FAMILIES, ModelFamily, family_of, get_fa
 from upipe_dtensor.models.llama3 import FLAVORS, Llama3, Llama3Args, build_llama3
 from upipe_dtensor.models.long_context import (
     IGNORE_INDEX,
+    ForwardPlan,
     LongContextModel,
     flops_per_token,
     init_sharded_weights,
@@ -14,6 +15,7 @@ from upipe_dtensor.models.qwen3 import Qwen3, Qwen3Args
 __all__ = [
     "FAMILIES",
     "FLAVORS",
+    "ForwardPlan",
     "IGNORE_INDEX",
     "Llama3",
     "Llama3Args",

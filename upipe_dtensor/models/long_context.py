@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,31 @@ from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
 
 IGNORE_INDEX = -100
 EVAL_CHUNK_TOKENS = 4096
-"""Tokens per chunk of per-token losses when [memory] loss_chunk_tokens is not set."""
+"""Tokens per chunk of per-token losses when the plan chunks no loss."""
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """How the long-context forward runs a model: settings the job owns, not the model.
+
+    The parallelize step builds one (``jobs.parallelize``) and the job's ``ParallelModel`` passes
+    it to every forward, so a model module carries no training-time side attributes and the same
+    module runs plain (the default plan) or under the job's plan."""
+
+    loss_chunk_tokens: int = 0
+    """When > 0, ``forward(tokens, labels=...)`` fuses the output layer and cross-entropy over
+    chunks of this many tokens (``[memory] chunked_loss``)."""
+    checkpoint_groups: tuple = ()
+    """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order;
+    empty: the blocks run one by one (each may checkpoint itself)."""
+    shard_rope: Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None = None
+    """The CP style's ``shard_rope``: ``forward`` computes this rank's RoPE table once, from the
+    frequencies and the positions, and every block (and its recompute) reads that one table.
+    None: each block derives it from the frequencies."""
+
+
+PLAIN = ForwardPlan()
+"""Torchtitan's forward: blocks one by one, whole logits, each block derives its RoPE table."""
 
 
 class LongContextModel(nn.Module):
@@ -35,17 +60,6 @@ class LongContextModel(nn.Module):
     ROPE_BUFFER: str = ""
     """The buffer that holds the RoPE inverse frequencies (torchtitan's name in the family)."""
 
-    loss_chunk_tokens: int = 0
-    """When > 0, ``forward(tokens, labels=...)`` fuses the output layer and cross-entropy over
-    chunks of this many tokens (set by the parallelize step from ``[memory] chunked_loss``)."""
-    checkpoint_groups: tuple = ()
-    """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order
-    by ``forward``; empty: the blocks run one by one (each may checkpoint itself)."""
-    shard_rope: Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None = None
-    """The CP style's ``shard_rope`` (set by the parallelize step): ``forward`` computes this
-    rank's RoPE table once, from the frequencies and the positions, and every block (and its
-    recompute) reads that one table. None: each block derives it from the frequencies."""
-
     def forward(
         self,
         tokens: torch.Tensor,
@@ -53,21 +67,23 @@ class LongContextModel(nn.Module):
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         per_token: bool = False,
+        plan: ForwardPlan = PLAIN,
     ) -> torch.Tensor:
         """Logits, as torchtitan's forward computes them; or, given ``labels``, the summed
         cross-entropy of the tokens
         (``per_token``: each token's, as (B, S) float32 with 0 where the label is ignored).
 
-        The loss path runs inside the model's forward so the output weight is the gathered one
-        under FSDP2; with ``loss_chunk_tokens`` (and always with ``per_token``) it never
-        materialises the (tokens, vocab) logits.
+        ``plan`` says how to run it (the job's ``ForwardPlan``). The loss path runs inside the
+        model's forward so the output weight is the gathered one under FSDP2; with the plan's
+        ``loss_chunk_tokens`` (and always with ``per_token``) it never materialises the
+        (tokens, vocab) logits.
         """
         h = self.tok_embeddings(tokens)
         rope = getattr(self, self.ROPE_BUFFER)
-        if self.shard_rope is not None:  # once per forward, not per block (nor per recompute)
-            rope, positions = self.shard_rope(rope, tokens.shape[1], positions), None
-        if self.checkpoint_groups:
-            for group in self.checkpoint_groups:
+        if plan.shard_rope is not None:  # once per forward, not per block (nor per recompute)
+            rope, positions = plan.shard_rope(rope, tokens.shape[1], positions), None
+        if plan.checkpoint_groups:
+            for group in plan.checkpoint_groups:
                 h = group(
                     self.layers, h, rope, attention_masks=attention_masks, positions=positions
                 )
@@ -78,13 +94,13 @@ class LongContextModel(nn.Module):
         if labels is None:
             return self.output(h)
         if per_token:
-            return self._token_losses(h, labels)
-        if self.loss_chunk_tokens:
+            return self._token_losses(h, labels, plan.loss_chunk_tokens or EVAL_CHUNK_TOKENS)
+        if plan.loss_chunk_tokens:
             return chunked_cross_entropy_sum(
                 h,
                 self.output.weight,
                 labels,
-                chunk_tokens=self.loss_chunk_tokens,
+                chunk_tokens=plan.loss_chunk_tokens,
                 ignore_index=IGNORE_INDEX,
             )
         logits = self.output(h)
@@ -95,9 +111,8 @@ class LongContextModel(nn.Module):
             reduction="sum",
         )
 
-    def _token_losses(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Each token's cross-entropy, a chunk of tokens at a time (for evaluation, no autograd)."""
-        chunk = self.loss_chunk_tokens or EVAL_CHUNK_TOKENS
+    def _token_losses(self, h: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Each token's cross-entropy, ``chunk`` tokens at a time (for evaluation, no autograd)."""
         h_flat, labels_flat = h.flatten(0, 1), labels.flatten()
         losses = torch.empty(labels_flat.shape, dtype=torch.float32, device=h.device)
         for start in range(0, labels_flat.shape[0], chunk):
