@@ -4,6 +4,7 @@ compare."""
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import tempfile
 from collections.abc import Callable
@@ -51,14 +52,22 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
     end_process(0)
 
 
+# Ranks start from a fork server that imported torch, torchtitan and this package once per test
+# session: a spawned rank imports them again (about 10 s on 2 cores), which dominated the
+# distributed tests. The server imports before any thread or process group exists, so each fork
+# starts as clean as a spawned process (same semantics: nothing of the pytest process is inherited).
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "upipe_dtensor", "harness"])
+
+
 def run_on_ranks(world_size: int, fn: Callable, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raise failures."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
+        mp.start_processes(
             _worker,
             args=(world_size, os.path.join(tmp, "store"), fn, args),
             nprocs=world_size,
             join=True,
+            start_method="forkserver",
         )
 
 
