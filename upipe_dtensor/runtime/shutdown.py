@@ -205,8 +205,13 @@ class StopRequests:
         )
 
     def _exit_if_a_rank_died(self) -> None:
-        """torchrun stops the other ranks with SIGTERM when one dies: say which one died."""
+        """torchrun stops the other ranks with SIGTERM when one dies: say which one died. After a
+        Ctrl-C, torchrun's SIGTERM is the second press: a peer that already stopped on it (exit
+        code 128 + SIGINT) did not die, and this rank stops the same way."""
         gone = gone_ranks(self.peers)
+        if self.signum == signal.SIGINT:
+            stopped = f"exited with code {128 + signal.SIGINT}"
+            gone = [(process, how) for process, how in gone if how != stopped]
         if gone:
             _exit_now(
                 death_message(gone, f"during step {self.step}", self._lost_hint(), None),
