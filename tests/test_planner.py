@@ -333,7 +333,16 @@ SHORTCUTS = {  # on fake tensors: loops of >= 4 identical iterations run their f
 }
 
 
-@pytest.mark.parametrize("loops", SHORTCUTS, ids=list(SHORTCUTS))
+@pytest.mark.parametrize(
+    "loops",
+    # UPipe x FPDT (about 100 s: every chunk pair of every stage) runs with --slow; FPDT's chunk
+    # pairs and the tiles check the shortcut itself in every run.
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name == "upipe x fpdt" else name
+        for name in SHORTCUTS
+    ],
+    ids=list(SHORTCUTS),
+)
 def test_planning_visits_a_few_iterations_and_plans_the_same(
     tmp_path: Path, monkeypatch, loops: str
 ) -> None:
