@@ -84,10 +84,9 @@ def attention_weights(module: nn.Module) -> AttentionWeights:
     return AttentionWeights(*projections, norms[0].weight, norms[1].weight)
 
 
-def qk_transform_of(module: nn.Module) -> tuple[str, float]:
-    """The module's per-head Q/K transform and its epsilon (torch's default when the norm sets
-    none), or ("", 0.0) when it applies none."""
-    kind = attention_kind(module)
+def qk_transform_of(module: nn.Module, kind: AttentionKind) -> tuple[str, float]:
+    """The per-head Q/K transform of ``module`` (of ``kind``) and its epsilon (torch's default
+    when the norm sets none), or ("", 0.0) when it applies none."""
     norms = head_norms(module, kind)
     if norms is None:
         return "", 0.0

@@ -152,7 +152,8 @@ class ContextParallelAttention(ParallelStyle):
 
     def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
         """The attention op's plain values for this module on these axes."""
-        (transform, eps), kind = qk_transform_of(module), attention_kind(module)
+        kind = attention_kind(module)
+        transform, eps = qk_transform_of(module, kind)
         return AttentionParams(
             head_group=axes.head_group,
             head_degree=axes.head_degree,

@@ -50,6 +50,11 @@ def _state(pid: int) -> tuple[str, int] | None:
     return fields[0], exit_code
 
 
+def exited_with(code: int) -> str:
+    """How ``gone_ranks`` describes a rank that exited with ``code``."""
+    return f"exited with code {code}"
+
+
 def gone_ranks(processes: list[RankProcess]) -> list[tuple[RankProcess, str]]:
     """The ranks of this host whose process has ended, each with how it ended when the kernel
     still tells (a zombie's exit code: "killed by SIGKILL"), else ""."""
@@ -65,7 +70,7 @@ def gone_ranks(processes: list[RankProcess]) -> list[tuple[RankProcess, str]]:
             how = (
                 f"killed by {signal.Signals(code & 0x7F).name}"
                 if code & 0x7F
-                else f"exited with code {code >> 8}"
+                else exited_with(code >> 8)
             )
             gone.append((process, how))
     return gone

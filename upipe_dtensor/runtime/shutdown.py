@@ -46,6 +46,7 @@ import torch.distributed as dist
 from upipe_dtensor.runtime.rank_deaths import (
     RankProcess,
     death_message,
+    exited_with,
     gone_ranks,
     speaks_for_host,
 )
@@ -210,7 +211,7 @@ class StopRequests:
         code 128 + SIGINT) did not die, and this rank stops the same way."""
         gone = gone_ranks(self.peers)
         if self.signum == signal.SIGINT:
-            stopped = f"exited with code {128 + signal.SIGINT}"
+            stopped = exited_with(128 + signal.SIGINT)
             gone = [(process, how) for process, how in gone if how != stopped]
         if gone:
             _exit_now(
