@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -19,7 +20,7 @@ from upipe_dtensor.jobs.build import Placement
 from upipe_dtensor.jobs.parallelize import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.memory.offload import HostOffload
-from upipe_dtensor.models import ForwardPlan
+from upipe_dtensor.models import FLAVORS, ForwardPlan, Llama3
 from upipe_dtensor.models.hf_config import model_args
 
 pytestmark = pytest.mark.unit
@@ -169,3 +170,15 @@ def test_extension_recipe_names_the_missing_weights(tmp_path: Path) -> None:
     )
     assert (args.rope_theta, args.rope_scaling_args.scaling_factor) == (500000.0, 320.0)
     assert args.rope_scaling_args.original_max_position_embeddings == 8192
+
+
+@pytest.mark.parametrize("name", [f.name for f in fields(ForwardPlan)])
+def test_a_forward_setting_on_the_model_names_the_forward_plan(name: str) -> None:
+    """The settings the model once held as attributes fail naming where they went."""
+    with torch.device("meta"):
+        model = Llama3(FLAVORS["debugmodel"])
+    moved = f"no longer holds '{name}': it is a field of the job's ForwardPlan"
+    with pytest.raises(AttributeError, match=moved):
+        setattr(model, name, 1)
+    with pytest.raises(AttributeError, match=moved):
+        getattr(model, name)
