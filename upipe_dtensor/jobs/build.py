@@ -9,6 +9,7 @@ materialised (never the whole model on one rank).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -105,6 +106,8 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
     )
     dp = check_job(config, world_size)  # before any process group or allocation
     args = model_args(config.model, config.training.seq_len)
+    if placement.n_layers is not None:
+        args = dataclasses.replace(args, n_layers=placement.n_layers)
     tokenizer = job_tokenizer(config)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(

@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_flatten
 
 from upipe_dtensor.kernels import fused
 from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.planning.step_work import add_counts
 from upipe_dtensor.planning.tracker import run_op_bodies
 from upipe_dtensor.runtime import host_store
 
@@ -161,6 +162,15 @@ class RehearsalReport:
     """(kind, device type in the CUDA job) -> calls per step."""
     collective_sites: dict[tuple[str, str], str] = field(default_factory=dict)
     """(kind, device type) -> the call site of its first call."""
+
+    def plus(self, other: RehearsalReport, times: float = 1.0) -> RehearsalReport:
+        """A new report: this one's calls plus ``times`` x ``other``'s (first call sites:
+        this one's, else ``other``'s)."""
+        return RehearsalReport(
+            host_syncs=add_counts(self.host_syncs, other.host_syncs, times),
+            collectives=add_counts(self.collectives, other.collectives, times),
+            collective_sites={**other.collective_sites, **self.collective_sites},
+        )
 
     @property
     def host_syncs_per_step(self) -> int:

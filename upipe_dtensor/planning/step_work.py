@@ -133,6 +133,14 @@ the functional ops of DTensor and compiled graphs); a step running another one i
 gather, scatter, barriers) is waited for whole, as an all-reduce is."""
 
 
+def add_counts(mine: dict, theirs: dict, times: float = 1.0) -> dict:
+    """A new dict of counts: ``mine`` plus ``times`` x ``theirs``, key by key."""
+    out = dict(mine)
+    for key, value in theirs.items():
+        out[key] = out.get(key, 0.0) + times * value
+    return out
+
+
 @dataclass
 class Traffic:
     """Bytes on the wire and calls of one kind of communication."""
@@ -162,6 +170,24 @@ class StepWork:
     """Kernels of compiled blocks that fuse elementwise ops and reductions (part of ``ops``)."""
     fused_bytes: float = 0.0
     """The bytes those kernels read and write (part of ``memory_bytes``)."""
+
+    def plus(self, other: StepWork, times: float = 1.0) -> StepWork:
+        """A new count: this one plus ``times`` x ``other`` (``times`` -1: the difference)."""
+        communication = {key: Traffic(t.bytes, t.calls) for key, t in self.communication.items()}
+        for key, traffic in other.communication.items():
+            mine = communication.setdefault(key, Traffic())
+            mine.bytes += times * traffic.bytes
+            mine.calls += times * traffic.calls
+        return StepWork(
+            matmul_flops=self.matmul_flops + times * other.matmul_flops,
+            ops=self.ops + times * other.ops,
+            attention_flops=add_counts(self.attention_flops, other.attention_flops, times),
+            memory_bytes=self.memory_bytes + times * other.memory_bytes,
+            communication=communication,
+            host_bytes=add_counts(self.host_bytes, other.host_bytes, times),
+            fused_kernels=self.fused_kernels + times * other.fused_kernels,
+            fused_bytes=self.fused_bytes + times * other.fused_bytes,
+        )
 
     def to_json(self) -> dict:
         """Plain JSON (tuple keys joined by "|"), for benchmarks that price saved work again."""
@@ -215,6 +241,17 @@ class StepWork:
         for (what, direction), nbytes in sorted(self.host_bytes.items()):
             out[f"host copies {direction}, {what}"] = nbytes
         return out
+
+
+def refuse_unpriced(unpriced: set[str]) -> None:
+    """ConfigError naming collectives a step ran (``StepWorkCounter.unpriced``) that the time
+    model cannot price: a prediction without them would look plausible and be wrong."""
+    if unpriced:
+        raise ConfigError(
+            f"the step runs {', '.join(sorted(unpriced))}, a collective the step-time "
+            "model does not price; give it a rule in _COLLECTIVES "
+            "(upipe_dtensor/planning/step_work.py) before planning this job's speed"
+        )
 
 
 def _numel_bytes(tensor: torch.Tensor) -> int:
@@ -327,12 +364,7 @@ class StepWorkCounter(TorchDispatchMode):
     def refuse_unpriced(self) -> None:
         """ConfigError naming the collectives the step ran that the time model cannot price:
         a prediction without them would look plausible and be wrong."""
-        if self.unpriced:
-            raise ConfigError(
-                f"the step runs {', '.join(sorted(self.unpriced))}, a collective the step-time "
-                "model does not price; give it a rule in _COLLECTIVES "
-                "(upipe_dtensor/planning/step_work.py) before planning this job's speed"
-            )
+        refuse_unpriced(self.unpriced)
 
     def _count_collective(self, func, args) -> None:
         name = func.overloadpacket.__name__
