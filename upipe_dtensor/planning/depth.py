@@ -11,16 +11,18 @@ rules form a *run*.
 
 What a unit does in the step depends on itself and its neighbours: its forward packs its own
 input and gathers its own parameters; its backward fetches its input back unless the next unit's
-backward prefetched it, and prefetches the previous unit's parameters, block input and kept
-attention. Cut at the planner's phase marks (``tracker.when``: a unit's forward, a unit's
-backward), the stretch of the step from one unit's mark to the next, a *period*, depends on at
-most the unit and the next one (forward), or the next one and the two before (backward). So in a
-run of n >= 5 units f_0 .. f_{n-1} the forward periods of f_1 to f_{n-2} are alike, and so are
-the backward periods of f_{n-2} down to f_2. The traced model keeps four units of such a run,
-f_0, f_1, f_{n-2} and f_{n-1}, whose neighbourhoods are the full model's; the full step is the
-traced one with n - 4 copies of f_1's forward period inserted after it and n - 4 copies of
-f_{n-2}'s backward period inserted after that (``planning.timeline``). Shorter runs are traced
-whole.
+backward prefetched it (``cpu_offload_prefetch``), and prefetches the previous unit's parameters,
+block input and kept attention, and the parameters of the one before. Cut at the planner's phase
+marks (``tracker.when``: a unit's forward, a unit's backward), the stretch of the step from one
+unit's mark to the next, a *period*, depends on at most the unit and the next one (forward), or
+the unit, the one before, whether there is one before that, and with the prefetch the next one
+(backward). So in a run of n units f_0 .. f_{n-1} the forward periods of f_1 to f_{n-2} are
+alike, and so are the backward periods of f_{n-1} down to f_2 (without the prefetch; with it, of
+f_{n-2} down to f_2). The traced model keeps f_0, f_1 and the run's last unit (last two, with the
+prefetch), whose neighbourhoods are the full model's; the full step is the traced one with copies
+of f_1's forward period inserted after it and as many of the first traced backward period of the
+run's end inserted after that (``planning.timeline``), one for each unit not traced. Runs of
+fewer than 4 units (5 with the prefetch) are traced whole.
 
 The parts of the step that loop over every parameter are not periods. FSDP2's set-up and
 AdamW's states are counted for the blocks not traced from a traced twin's storages; the gradient
@@ -46,8 +48,6 @@ from upipe_dtensor.memory.offload import offloads_group
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
 
-MIN_RUN = 5
-"""Units a run needs to be traced shorter (as four units; module docstring)."""
 ELIDED = "elided_layers"
 """The traced model's child module holding the stand-ins of the blocks it does not trace."""
 _PHASE = re.compile(r"^(forward|backward \(recompute\)), block (\d+)$")
@@ -148,17 +148,21 @@ def reduce_depth(config: JobConfig) -> DepthReduction | None:
     n_layers = model_args(config.model, config.training.seq_len).n_layers
     size = ac.blocks_per_checkpoint
     signatures = unit_signatures(config, n_layers)
+    # A unit's backward fetches its own input unless the next one's prefetched it: with the
+    # prefetch the backward template needs its next unit in the run too (module docstring).
+    tail = 2 if ac.cpu_offload and ac.cpu_offload_prefetch else 1
+    shortest = 3 + tail
     traced: list[int] = []
     copies: dict[tuple[str, int], int] = {}
     stand_ins: list[tuple[int, int]] = []
     for first, units in _runs(signatures):
-        if units < MIN_RUN:
+        if units < shortest:
             traced += range(first, first + units)
             continue
         base = len(traced)
-        traced += [first, first + 1, first + units - 2, first + units - 1]
-        copies[("forward", base + 1)] = copies[("backward", base + 2)] = units - 4
-        for unit in range(first + 2, first + units - 2):
+        traced += [first, first + 1, *range(first + units - tail, first + units)]
+        copies[("forward", base + 1)] = copies[("backward", base + 2)] = units - 2 - tail
+        for unit in range(first + 2, first + units - tail):
             stand_ins += [
                 (unit * size + offset, (base + 1) * size + offset)
                 for offset in range(signatures[unit][0])

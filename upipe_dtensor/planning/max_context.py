@@ -393,7 +393,7 @@ def find_max_context(
     apply); the rest stay as the recipe has them. ``objective="speed"``: only phase 2, at the
     recipe's seq_len. ``full_trace``: every plan traces every block (``plan_job``)."""
     started = time.perf_counter()
-    traces = TraceCache()
+    traces = TraceCache(size=8)
     recipe_world = config.parallelism.world_size
     world_size = world_size or recipe_world
     try:
@@ -432,7 +432,7 @@ def find_max_context(
         return result
 
     def plan_at(settings: dict[str, Any], seq_len: int) -> Plan:
-        traced = traces.traces
+        traced, planning = traces.traces, time.perf_counter()
         plan = plan_job(
             configured(settings, seq_len),
             budget,
@@ -442,13 +442,14 @@ def find_max_context(
         )
         history.append((dict(settings), plan))
         speed = f", {plan.speed.tokens_text()}" if plan.speed else ""
-        reused = "" if traces.traces > traced else " (an earlier trace)"
+        how = "traced" if traces.traces > traced else "from an earlier trace"
+        took = f" [{how}, {time.perf_counter() - planning:.0f} s]"
         log(
             f"  {seq_len:>12,} tokens, "
             f"{describe(settings, chosen, recipe_keep) or 'recipe settings'}: "
             f"{plan.device_peak_bytes / GiB:7.2f} GiB device, "
             f"{plan.host_per_node_bytes / GiB:8.1f} GiB "
-            f"host/node -> {plan.verdict}{speed}{reused}"
+            f"host/node -> {plan.verdict}{speed}{took}"
         )
         return plan
 

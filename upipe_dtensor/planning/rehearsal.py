@@ -59,12 +59,11 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from upipe_dtensor.kernels import fused
 from upipe_dtensor.kernels.tiling import repeats
 from upipe_dtensor.planning.step_work import add_counts
-from upipe_dtensor.planning.tracker import run_op_bodies
+from upipe_dtensor.planning.tracker import run_op_bodies, tensor_leaves
 from upipe_dtensor.runtime import host_store
 
 _READS = {
@@ -145,7 +144,7 @@ def _short(path: str) -> str:
 
 
 def _tensors(tree) -> Iterator[Tensor]:
-    for leaf in tree_flatten(tree)[0]:
+    for leaf in tensor_leaves(tree):
         if isinstance(leaf, DTensor):
             yield leaf._local_tensor
         elif isinstance(leaf, Tensor):
@@ -318,7 +317,7 @@ class GpuRehearsal:
         in-place ops, whose outputs keep their place, aside)."""
         if func._schema.is_mutable or func.namespace == "fsdp":
             return
-        if any(self._is_held(t) for t in _tensors((args, kwargs)) if is_fake(t)):
+        if any(self._is_held(t) for t in _tensors((args, kwargs))):
             self.hold_on_host(t for t in _tensors(out) if is_fake(t))
 
     def ops(self) -> TorchDispatchMode:

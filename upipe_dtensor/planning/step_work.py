@@ -36,12 +36,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from upipe_dtensor.config import ConfigError
 from upipe_dtensor.kernels.tiling import repeats
-from upipe_dtensor.planning.tracker import OFFLOAD, is_untracked, label_from_stack, run_op_bodies
+from upipe_dtensor.planning.tracker import (
+    OFFLOAD,
+    is_untracked,
+    label_from_stack,
+    run_op_bodies,
+    tensor_leaves,
+)
 
 aten = torch.ops.aten
 _MATMULS = {
@@ -377,7 +382,7 @@ class StepWorkCounter(TorchDispatchMode):
         kind, argument, share = rule
         group = _group_of(func, args)
         size = group.size() if group is not None else 1
-        counted = [t for t in tree_flatten(args[argument])[0] if isinstance(t, torch.Tensor)]
+        counted = tensor_leaves(args[argument])
         nbytes = _SHARES[share](sum(_numel_bytes(t) for t in counted), size)
         key = (kind, group is not None and self._crosses_nodes(group))
         traffic = self.work.communication.setdefault(key, Traffic())
@@ -431,9 +436,7 @@ class StepWorkCounter(TorchDispatchMode):
         if self._count_copy(func, args, out):
             return out
         touched = [
-            leaf
-            for leaf in tree_flatten((args, kwargs, out))[0]
-            if isinstance(leaf, torch.Tensor) and str(leaf.device) == self.device
+            leaf for leaf in tensor_leaves((args, kwargs, out)) if str(leaf.device) == self.device
         ]
         work.memory_bytes += sum(_numel_bytes(t) for t in touched) * weight
         return out
