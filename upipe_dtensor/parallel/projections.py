@@ -181,22 +181,66 @@ class AttentionProjections:
             return buffer[:, :, first : first + len(stage.query_heads)]
         return buffer.index_select(2, _head_index(stage.query_heads, buffer.device))
 
-    def new_input_grad(self, like: Tensor) -> Tensor:
+    def query_grads_wait(self, output_is_scratch: bool, chunks: int = 1) -> bool:
+        """Whether the query gradients wait, each stage's in its heads of one (B, L, H, d)
+        buffer, for one product into dx and dwq after the last stage (``queries_backward``),
+        rather than go into dx and dwq as each stage's arrives (``store_query_grad``).
+
+        Waiting lets dx be created late, when the first KV block closes, and rounds it no more
+        often than the unsharded model. Its buffer is free when the saved output is scratch
+        (``AttentionParams.output_is_scratch``: under activation checkpointing, every
+        long-context recipe). Otherwise it is N*H*d*b more, held beside dx whenever dx exists
+        while the stages run: more than one KV block, or FPDT's chunks (each K/V chunk's
+        products go into dx as soon as it is done). Adding at once then holds less: UPipe at
+        U = C, MHA, float32 held dx and that buffer together, one N*D*4 more than dx alone."""
+        dx_while_stages_run = self.schedule.n_kv_blocks > 1 or chunks > 1
+        return output_is_scratch or not dx_while_stages_run
+
+    def new_input_grad(self, like: Tensor, queries_wait: bool) -> Tensor:
         """Zeros for the layer's dx, shaped like ``like`` (this span's x), to add the products
-        through wk and wv (two per KV block) and through wq (one for all query heads) into. Each
-        product rounds once in x's dtype, which is kept up to the unsharded model's
-        ``UNSHARDED_DX_ROUNDINGS`` (one or two KV blocks, as for Llama3 and Qwen3 with
-        n_kv_heads <= 2 C_h); more (e.g. MHA at U = C_h) are summed in float32."""
-        products = 2 * self.schedule.n_kv_blocks + 1
+        through wk and wv (two per KV block) and through wq (one for all query heads when
+        they wait, ``query_grads_wait``, else one per stage) into. Each product rounds once in
+        x's dtype, which is kept up to the unsharded model's ``UNSHARDED_DX_ROUNDINGS`` (e.g.
+        waiting with one or two KV blocks, as for Llama3 and Qwen3 with n_kv_heads <= 2 C_h);
+        more (e.g. MHA at U = C_h) are summed in float32."""
+        queries = 1 if queries_wait else len(self.schedule.stages)
+        products = 2 * self.schedule.n_kv_blocks + queries
         return accumulator(like, summed=products > UNSHARDED_DX_ROUNDINGS)
 
-    def store_query_grad(self, grad_q: Exchange, stage: Stage, rope: Tensor, grads: Tensor) -> None:
+    def new_query_weight_grad(self, chunks: int) -> Tensor:
+        """Zeros for dwq, (H, d, D), when the query gradients do not wait: each stage adds its
+        heads' rows, once per sequence chunk (float32 when summed over several chunks)."""
+        return accumulator(self.wq, summed=chunks > 1)
+
+    def store_query_grad(
+        self,
+        grad_q: Exchange,
+        stage: Stage,
+        rope: Tensor,
+        waiting: Tensor | None,
+        grad_x: Tensor | None,
+        grad_wq: Tensor | None,
+    ) -> None:
         """The stage's query gradient, started back to the sequence layout: once it arrives,
-        rotated back and written into the stage's heads of ``grads`` (B, L, H, d), where every
-        stage's query gradient waits for ``queries_backward``."""
+        rotated back and through the QK transform, written into the stage's heads of
+        ``waiting`` (B, L, H, d), where every stage's query gradient waits for
+        ``queries_backward``; or, without that buffer (``query_grads_wait``), added at once:
+        ``grad_x`` += dq @ wq[stage] and the stage's rows of ``grad_wq`` (H, d, D) += dq.T @ x."""
         grad = apply_rope_transpose(grad_q.result(), rope, self.rope_pairs)
         grad = self.qk.backward(lambda: self.project(self.stage_rows(self.wq, stage)), grad, "q")
-        self.write_stage(grads, stage, grad)
+        if waiting is not None:
+            self.write_stage(waiting, stage, grad)
+            return
+        heads = len(stage.query_heads)
+        grad = grad.reshape(-1, heads * self.head_dim)
+        _add_product(grad_x, grad, self.stage_rows(self.wq, stage))
+        first = stage.first_head_if_contiguous
+        if first is not None:
+            _add_product(grad_wq[first : first + heads].view(-1, self.dim), grad.t(), self.x_flat)
+        else:
+            product = (grad.t() @ self.x_flat).view(heads, self.head_dim, self.dim)
+            index = _head_index(stage.query_heads, grad_wq.device)
+            grad_wq.index_add_(0, index, product.to(grad_wq.dtype))
 
     def queries_backward(self, grads: Tensor, grad_x: Tensor) -> Tensor:
         """From every query head's gradient ``grads`` (B, L, H, d) in the model's head order:
