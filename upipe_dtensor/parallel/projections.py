@@ -143,7 +143,8 @@ class AttentionProjections:
 
     def start_query_for_stage(self, stage: Stage, rope: Tensor) -> Exchange:
         q = self.qk.forward(self.project(self.stage_rows(self.wq, stage)), "q")
-        return self.start_to_heads(apply_rope(q, rope, self.rope_pairs))
+        q = apply_rope(q, rope, self.rope_pairs)  # the unrotated q is freed before the exchange
+        return self.start_to_heads(q)
 
     def query_for_stage(self, stage: Stage, rope: Tensor) -> Tensor:
         return self.start_query_for_stage(stage, rope).result()
