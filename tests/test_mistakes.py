@@ -17,6 +17,7 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,6 +188,24 @@ def test_bad_records_are_named_before_any_process_group_or_skipped(
     kept = list(LocalDocuments(str(corpus), "text", skip_bad=True))
     assert len(kept) == 35 and kept[-2:] == ["plain text", "more text"]
     assert kept[12].startswith("document 13:")
+
+
+def test_the_errors_once_lost_under_torchrun_end_as_config_errors(tmp_path, capsys) -> None:
+    """The three mistakes whose line torchrun once cut off (issue 38) end through ``run_main``,
+    whose printing under torchrun test_faults.py checks with rank 0 starting late."""
+    tokens = tmp_path / "floats.npy"
+    np.save(tokens, np.zeros((2, 64), dtype=np.float32))
+    assert _train(tmp_path, "--metrics.log_freq", "0") == 2
+    assert _train(tmp_path, "--model.flavor", "hf") == 2
+    one = ["--config", DEBUG, "--parallelism.context_parallel_degree", "1"]
+    assert evaluate.main([*one, "--tokens", str(tokens)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "config error: command line: [metrics] log_freq = 0 must be >= 1",
+        "config error: command line and train_configs/debug_model.toml: [model] flavor = 'hf' "
+        "takes the shape from config.json; set [model] hf_assets_path to the Hugging Face model "
+        "folder",
+        f"config error: --tokens {tokens}: dtype float32; token ids must be integers",
+    ]
 
 
 def test_unreadable_or_non_utf8_config_files_are_config_errors(
