@@ -259,7 +259,9 @@ def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
     assert unloaded_hf_weights(parse_args(["--config", DEBUG])) == ""
 
 
-def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(tmp_path: Path) -> None:
+def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(
+    tmp_path: Path, capsys
+) -> None:
     """A snapshot's manifest records its model; resume, convert and evaluate compare it (their
     refusals through the real commands: tests/test_evaluate.py)."""
     config = parse_args(["--config", DEBUG])
@@ -275,7 +277,25 @@ def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(tmp_path:
         check_model_unchanged(new, config, args, rank0=True)
     assert (
         "was trained with other model settings: num_attention_heads = 2 there, 8 in this job; "
-        "head_dim = 128 there, 32 in this job. Pass the job config" in str(refused.value)
+        "head_dim = 128 there, 32 in this job. Changing num_attention_heads, head_dim makes "
+        "another model, which [checkpoint] accept_model_change does not allow (it lets only RoPE "
+        "settings change: rope_theta, rope_scaling.factor, " in str(refused.value)
+    )
+
+    # accept_model_change (issue 38) lets RoPE change, with a warning; a family or a head layout
+    # stays refused: a Qwen3 snapshot would load into Llama3 without its QK-norm weights.
+    accept = parse_args(["--config", DEBUG, "--checkpoint.accept_model_change", "true"])
+    rope = {**model_record(config, args), "rope_theta": 10000.0}
+    for record in (heads, {**model_record(config, args), "name": "qwen3"}, rope):
+        (new / "manifest.json").write_text(json.dumps({"format": 1, "model": record, "files": {}}))
+        if record is rope:
+            check_model_unchanged(new, accept, args, rank0=True)
+        else:
+            with pytest.raises(ConfigError, match="does not allow"):
+                check_model_unchanged(new, accept, args, rank0=True)
+    assert (
+        f"WARNING: snapshot {new} was trained with other model settings: rope_theta = 10000.0 "
+        "there, 500000.0 in this job; using this job's" in capsys.readouterr().err
     )
 
 
