@@ -16,6 +16,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ from upipe_dtensor.data.loader import (
     build_tokenizer,
     documents_digest,
 )
+from upipe_dtensor.jobs.build import check_tokenizer_fits
 from upipe_dtensor.jobs.evaluate import read_tokens
 from upipe_dtensor.jobs.trainer import _described
 from upipe_dtensor.models import Llama3
@@ -240,6 +242,33 @@ def test_unreadable_or_non_utf8_config_files_are_config_errors(
         "permissions or pass another --config" in capsys.readouterr().err
     )
     assert not dist.is_initialized()
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path: Path, capsys) -> None:
+    """Issue 38: a model trained with a tokenizer smaller than its vocabulary was accepted without
+    a word (the recipes' 2,048-token stand-in for Llama3-8B's 128,256), and a larger one fails
+    only where an id runs past the embedding. train.py refuses both before any process group,
+    naming the key; padding (Qwen3: 267 rows beyond its tokens) passes."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 128256}))
+    assert _train(tmp_path, "--model.flavor", "hf", "--model.hf_assets_path", str(big)) == 2
+    assert capsys.readouterr().err.startswith(
+        "config error: train_configs/debug_model.toml and command line: [model] tokenizer_path: "
+        "the tokenizer at 'assets/tokenizer' has 2,048 tokens, but llama3 hf has 128,256 "
+        "embedding rows: 126,208 would never be trained (padding is under 1,024). Point [model] "
+        "tokenizer_path at the model's own tokenizer"
+    )
+    config = parse_args(["--config", DEBUG])
+    args = model_args(config.model, 512)  # 2,048 rows
+    for tokens, refused in ((2049, True), (2048 - 267, False), (1024, True)):
+        tokenizer = SimpleNamespace(vocab_size=tokens)
+        if refused:
+            with pytest.raises(ConfigError, match=f"has {tokens:,} tokens, "):
+                check_tokenizer_fits(config, tokenizer, args, exact=True)
+        else:
+            check_tokenizer_fits(config, tokenizer, args, exact=True)
+    check_tokenizer_fits(config, SimpleNamespace(vocab_size=1024), args, exact=False)  # planner
 
 
 def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
