@@ -255,12 +255,15 @@ def _check_data(config: JobConfig, fail) -> None:
 
 
 def _check_compile(config: JobConfig, fail) -> None:
-    """A ``[compile] backend`` torch.compile does not know would fail on every rank after the
-    model is built; ask dynamo's registry, which torch.compile itself looks names up in."""
+    """With ``[compile] enable``, a backend torch.compile does not know would fail on every rank
+    after the model is built; ask dynamo's registry, which torch.compile itself looks names up in
+    (the backend is read only when compiling)."""
     from torch._dynamo.backends.registry import list_backends, lookup_backend
     from torch._dynamo.exc import InvalidBackend
 
     backend = config.compile.backend
+    if not config.compile.enable:
+        return
     try:
         lookup_backend(backend)
     except InvalidBackend:
