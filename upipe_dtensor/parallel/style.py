@@ -112,9 +112,10 @@ class ContextParallelAttention(ParallelStyle):
         backend: str = "auto",
         kernel_device: str | None = None,
         keep_attention: KeptAttention | None = None,
-    ):
+    ) -> ContextParallelAttention:
         """The style with ``options`` (its ``Options``, e.g. from a job's ``[parallelism]``), as
-        its constructor would make it from the same values in their Python spelling."""
+        its constructor makes it from the same values in their Python spelling (the registry's
+        ``make_style`` builds every style this way)."""
         if type(options) is not cls.Options:
             raise TypeError(f"{cls.__name__} takes {cls.Options.__name__}, got {options!r}")
         style = cls.__new__(cls)
@@ -139,7 +140,8 @@ class ContextParallelAttention(ParallelStyle):
         keep_attention: KeptAttention | None,
     ) -> None:
         """What every constructor sets: the options, checked as far as they can be before a
-        model and a mesh exist, and the kernels' settings."""
+        model and a mesh exist, and the kernels' settings. ``ring_degree`` and ``host_device``
+        are for the styles with a ring axis or sequence chunks (``UPipeAttention``)."""
         super().__init__()
         options.check(Geometry(ring_degree=ring_degree))
         self.options = options
