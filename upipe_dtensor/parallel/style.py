@@ -254,7 +254,7 @@ class ContextParallelAttention(ParallelStyle):
                 n_heads=module.n_heads,
                 n_kv_heads=module.n_kv_heads,
                 cp_degree=axes.cp_degree,
-                ring_degree=axes.ring_degree,
+                ring_degree=device_mesh.size(0) if device_mesh.ndim == 2 else 1,  # 2D's ring axis
             )
         )
         module.cp_style, module.cp_axes = self, _AXES.setdefault(axes, axes)
