@@ -294,14 +294,15 @@ class UPipeAttention(ContextParallelAttention):
 
     Keyword Args:
         heads_per_stage (int, optional): U, the query heads exchanged per stage, across the head
-            axis. A multiple of the head-axis degree that divides n_heads. ``None`` means U = the
-            head-axis degree: one head per rank per stage, the smallest attention memory.
+            axis. A multiple of the head-axis degree that divides n_heads. ``None`` takes the
+            default U of ``parallel.style_options.UPipeOptions``, which says what it is.
             U = n_heads is classic Ulysses.
         ring_degree (int, optional): R, the ring axis of the mesh this style will be applied to
             (1 for a 1-D mesh). ``None`` takes it from the mesh at ``parallelize_module``; until
             then ``shard_positions`` cannot know the layout and raises.
         chunk_tokens (int, optional): tokens per global sequence chunk (after the all-to-all);
-            ``None`` runs each stage over the whole sequence.
+            ``None`` runs each stage over the whole sequence (``[parallelism]
+            fpdt_chunk_tokens``, where 0 does).
         keep_attention (KeptAttention, optional): keep each layer's attention output and LSE
             from forward (on the device or the host) so that a checkpointed block's recompute
             skips the attention (``memory.kept_attention``); None recomputes it. Every style.
