@@ -89,9 +89,8 @@ def _check_positive(config: JobConfig, fail) -> None:
 
 
 _RETIRED_ZEROS = ("heads_per_stage", "fpdt_chunk_tokens")
-"""Options whose 0 once meant "unset, the style's default" (U = C / ring_degree; FPDT's paper
-chunk); unset is now leaving the key out, so a 0 that is no value of the style is refused naming
-that."""
+"""Options whose 0 once meant "unset, the style's default" (UPipe's U, FPDT's chunk); unset is
+now leaving the key out, so a 0 that is no value of the style is refused naming that."""
 
 _GEOMETRY_KEYS = {
     "n_heads": ("model.name", "model.flavor", "model.hf_assets_path"),

@@ -297,7 +297,7 @@ def _step_config(
         "--training.seq_len", str(args.tokens_per_gpu * cp),
         "--training.enable_cpu_offload", str(offload).lower(),
         "--parallelism.context_parallel_degree", str(cp),
-        "--parallelism.heads_per_stage", "none",  # unset: U = C
+        "--parallelism.heads_per_stage", "none",  # unset: the default U
         "--parallelism.attention_backend", backend,
         "--checkpoint.enable", "false",
         "--metrics.enable_tensorboard", "false",
