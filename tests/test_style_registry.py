@@ -11,7 +11,7 @@ In-process on PyTorch's fake process group: nothing is traced or run.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pytest
@@ -213,3 +213,12 @@ def test_apply_leaves_the_style_as_constructed(fake_world) -> None:
     with pytest.raises(ValueError, match=r"applied to a mesh already .* construct another style"):
         flat = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
         parallelize_module(tiny_llama(4, 4, seq_len=16), flat, {"layers.*.attention": style})
+
+
+def test_the_docs_table_names_every_declared_option() -> None:
+    """docs/training.md's row of each built-in style names each key its options declare."""
+    training = (Path(__file__).resolve().parents[1] / "docs/training.md").read_text()
+    for name in ("upipe", "ulysses", "ring", "fpdt"):
+        (row,) = [line for line in training.splitlines() if line.startswith(f'| `"{name}"` |')]
+        missing = [f.name for f in fields(STYLES[name].options) if f"`{f.name}" not in row]
+        assert not missing, f"docs/training.md's {name} row does not name {missing}"
