@@ -67,9 +67,11 @@ class StyleSpec:
                 )
         return self.options(**{key: value for key, value in values.items() if value is not None})
 
-    def describe(self, options: StyleOptions, n_heads: int, cp_degree: int, ring: int = 1) -> str:
+    def describe(
+        self, options: StyleOptions, n_heads: int, cp_degree: int, ring_degree: int = 1
+    ) -> str:
         """The configured attention in words, for start-up lines and plans."""
-        return self.label + options.describe(n_heads, cp_degree, ring)
+        return self.label + options.describe(n_heads, cp_degree, ring_degree)
 
 
 STYLES: dict[str, StyleSpec] = {}
