@@ -58,7 +58,7 @@ from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward
 from upipe_dtensor.parallel.projections import forget_head_indices
-from upipe_dtensor.parallel.registry import style_spec
+from upipe_dtensor.parallel.registry import make_style
 from upipe_dtensor.parallel.staged_attention import staged_backward, staged_forward
 from upipe_dtensor.planning.tracker import ATTENTION, LiveMemoryTracker
 from upipe_dtensor.runtime.host_store import HostMemory
@@ -258,16 +258,17 @@ LAYER_HEADS, LAYER_HEAD_DIM, LAYER_SEQ = 8, 16, 8192
 4 ranks). One activation (N x D float32) is 2 MiB here, the weights 64 KiB each, and the CPU
 attention kernel's own scratch 1 MiB per thread (run on one: the numbers must not depend on the
 machine's cores)."""
-LAYER_STYLES = {  # name -> (cp style, options)
-    "upipe, U = C": ("upipe", {"heads_per_stage": C}),
-    "upipe, U = 2C": ("upipe", {"heads_per_stage": 2 * C}),
-    "ulysses": ("ulysses", {}),
-    "ring": ("ring", {}),
-    "fpdt, 4 chunks": ("fpdt", {"chunk_tokens": LAYER_SEQ // 4}),
-    "upipe x fpdt, U = C, 4 chunks": (
-        "upipe",
-        {"heads_per_stage": C, "chunk_tokens": LAYER_SEQ // 4},
-    ),
+LAYER_STYLES = {  # name -> the style's [parallelism] values
+    "upipe, U = C": {"cp_style": "upipe", "heads_per_stage": C},
+    "upipe, U = 2C": {"cp_style": "upipe", "heads_per_stage": 2 * C},
+    "ulysses": {"cp_style": "ulysses"},
+    "ring": {"cp_style": "ring"},
+    "fpdt, 4 chunks": {"cp_style": "fpdt", "fpdt_chunk_tokens": LAYER_SEQ // 4},
+    "upipe x fpdt, U = C, 4 chunks": {
+        "cp_style": "upipe",
+        "heads_per_stage": C,
+        "fpdt_chunk_tokens": LAYER_SEQ // 4,
+    },
 }
 TOLERANCE = 0.03
 """Relative: a change of a few percent fails (issue 40's growth was +14%); the measurements
@@ -295,12 +296,9 @@ PLANNED_LAYER_BYTES = {  # test_planned_layer_memory at 59d9dd0
 }
 
 
-def _layer_style(name: str, **options):
-    style, own = LAYER_STYLES[name]
-    return style_spec(style).make(**own, **options)
-
-
 def _layer(name: str, **options):
+    """torchtitan's Llama3 attention in ``name``'s style (``options``: ``make_style``'s keywords),
+    rank 0 of the fake process group."""
     args = TransformerModelArgs(
         dim=LAYER_HEADS * LAYER_HEAD_DIM,
         n_heads=LAYER_HEADS,
@@ -309,7 +307,7 @@ def _layer(name: str, **options):
     )
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (C,))
-    return parallelize_module(Attention(args), mesh, _layer_style(name, **options))
+    return parallelize_module(Attention(args), mesh, make_style(LAYER_STYLES[name], **options))
 
 
 def _live_memory():
