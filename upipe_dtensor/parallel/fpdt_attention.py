@@ -37,8 +37,9 @@ Memory bound (per rank, N = B*S/C local tokens, c = N/u tokens per chunk, per-ra
           it are parked first), and dx (N*D*b, created when the first KV block closes; float32
           beyond two KV blocks) and dwq are one product each at the end, as in
           ``staged_attention``. Without it, that buffer would be a new N*H*d*b beside dx, which
-          exists from the first K/V chunk on: each final dQ_i goes into its rows of dx (float32
-          beyond five products) and into dwq (float32) at once instead.
+          exists from the first K/V chunk on: at long context (N >> D) each final dQ_i goes
+          into its rows of dx (float32 beyond five products) and into dwq (float32) at once
+          instead (``AttentionProjections.query_grads_wait``).
   host  : the K/V chunks of the current KV block (2*N*C*k*d), and in backward q, o, dO and
           partial dQ of the stage (~4*N*U*d) plus partial dK/dV between the stages of a block.
 """
@@ -204,7 +205,8 @@ def fpdt_backward(
     """The paper's backward order per stage; returns (dx, the weights' gradients). Sums across
     chunks (dwk, dwv, dQ, dK, dV) and a KV block's stages (dK, dV) are float32. Each final dQ_i
     waits in its rows and stage heads of one (B, S/C, H, d) buffer (or, when that buffer would
-    be new, goes into dx and dwq at once: ``AttentionProjections.query_grads_wait``), and
+    be new and dx and dwq hold less, goes into them at once:
+    ``AttentionProjections.query_grads_wait``), and
     dx += dQ @ wq and dwq = dQ.T @ x are one product each at the end, as in
     ``staged_backward``; dx is created when the first KV block closes."""
     layer = _Chunks(x, weights, params)
@@ -221,7 +223,7 @@ def fpdt_backward(
     # is scratch: a stage's slices of it are parked before any dQ of the stage is final), or goes
     # into dx and dwq at once (``AttentionProjections.query_grads_wait``).
     first = layer.spans[0]  # every span has the same schedule
-    wait = first.query_grads_wait(params.output_is_scratch, params.chunks)
+    wait = first.query_grads_wait(x, params.output_is_scratch, params.chunks)
     grads_q = (out if params.output_is_scratch else torch.empty_like(out)) if wait else None
     # Waiting, dx is created when the first KV block closes and dwq after the last stage.
     grad_x = None if wait else first.new_input_grad(x, wait)

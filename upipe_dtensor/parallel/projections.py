@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from upipe_dtensor.kernels.merge import accumulator
+from upipe_dtensor.kernels.merge import accumulation_dtype, accumulator
 from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
 from upipe_dtensor.parallel.all_to_all import (
     Exchange,
@@ -58,6 +58,12 @@ def _add_product(target: Tensor, a: Tensor, b: Tensor) -> None:
         target.view(-1, target.shape[-1]).addmm_(a, b)
     else:
         target.add_((a @ b).view_as(target))
+
+
+def _nbytes(like: Tensor, summed: bool) -> int:
+    """Bytes of ``kernels.merge.accumulator(like, summed=summed)``."""
+    dtype = accumulation_dtype(like.dtype) if summed else like.dtype
+    return like.numel() * dtype.itemsize
 
 
 def resolve_group(group_name: str, size: int) -> dist.ProcessGroup | None:
@@ -182,31 +188,42 @@ class AttentionProjections:
             return buffer[:, :, first : first + len(stage.query_heads)]
         return buffer.index_select(2, _head_index(stage.query_heads, buffer.device))
 
-    def query_grads_wait(self, output_is_scratch: bool, chunks: int = 1) -> bool:
+    def query_grads_wait(self, x: Tensor, output_is_scratch: bool, chunks: int = 1) -> bool:
         """Whether the query gradients wait, each stage's in its heads of one (B, L, H, d)
         buffer, for one product into dx and dwq after the last stage (``queries_backward``),
-        rather than go into dx and dwq as each stage's arrives (``store_query_grad``).
+        rather than go into dx and dwq as each stage's arrives (``store_query_grad``): the
+        order that holds fewer bytes while the stages run, for the local shard ``x``.
 
-        Waiting lets dx be created late, when the first KV block closes, and rounds it no more
-        often than the unsharded model. Its buffer is free when the saved output is scratch
+        Waiting holds that buffer, free when the saved output is scratch
         (``AttentionParams.output_is_scratch``: under activation checkpointing, every
-        long-context recipe). Otherwise it is N*H*d*b more, held beside dx whenever dx exists
-        while the stages run: more than one KV block, or FPDT's chunks (each K/V chunk's
-        products go into dx as soon as it is done). Adding at once then holds less: UPipe at
-        U = C, MHA, float32 held dx and that buffer together, one N*D*4 more than dx alone."""
-        dx_while_stages_run = self.schedule.n_kv_blocks > 1 or chunks > 1
-        return output_is_scratch or not dx_while_stages_run
+        long-context recipe), else N*H*d*b; and dx, when dx exists before the last stage (more
+        than one KV block, or FPDT's chunks: each K/V chunk's products go into dx as soon as it
+        is done). It rounds dx no more often than the unsharded model. Adding at once holds dx
+        and dwq from the first stage. Without checkpointing at long context (N >> D) that is
+        less: UPipe at U = C, MHA, float32, S = 32K on 4 ranks held dx and the buffer together,
+        one N*D*4 (16 MiB) more than dx and dwq (issue 40). When N is about D, dwq is as large
+        as the buffer, and the orders tie: the queries wait."""
+        dx_early = self.schedule.n_kv_blocks > 1 or chunks > 1
+        buffer = x.numel() // self.dim * self.wq.numel() // self.dim * x.element_size()
+        waiting = (0 if output_is_scratch else buffer) + (
+            _nbytes(x, self._input_grad_summed(True)) if dx_early else 0
+        )
+        at_once = _nbytes(x, self._input_grad_summed(False)) + _nbytes(self.wq, chunks > 1)
+        return waiting <= at_once
+
+    def _input_grad_summed(self, queries_wait: bool) -> bool:
+        """Whether dx is summed in float32: more products through wk and wv (two per KV block)
+        and through wq (one for all query heads when they wait, else one per stage) than the
+        unsharded model's ``UNSHARDED_DX_ROUNDINGS`` (e.g. waiting with one or two KV blocks,
+        as for Llama3 and Qwen3 with n_kv_heads <= 2 C_h, keeps x's dtype; MHA at U = C_h does
+        not)."""
+        queries = 1 if queries_wait else len(self.schedule.stages)
+        return 2 * self.schedule.n_kv_blocks + queries > UNSHARDED_DX_ROUNDINGS
 
     def new_input_grad(self, like: Tensor, queries_wait: bool) -> Tensor:
         """Zeros for the layer's dx, shaped like ``like`` (this span's x), to add the products
-        through wk and wv (two per KV block) and through wq (one for all query heads when
-        they wait, ``query_grads_wait``, else one per stage) into. Each product rounds once in
-        x's dtype, which is kept up to the unsharded model's ``UNSHARDED_DX_ROUNDINGS`` (e.g.
-        waiting with one or two KV blocks, as for Llama3 and Qwen3 with n_kv_heads <= 2 C_h);
-        more (e.g. MHA at U = C_h) are summed in float32."""
-        queries = 1 if queries_wait else len(self.schedule.stages)
-        products = 2 * self.schedule.n_kv_blocks + queries
-        return accumulator(like, summed=products > UNSHARDED_DX_ROUNDINGS)
+        through wk, wv and wq into, each rounded once (``_input_grad_summed``)."""
+        return accumulator(like, summed=self._input_grad_summed(queries_wait))
 
     def new_query_weight_grad(self, chunks: int) -> Tensor:
         """Zeros for dwq, (H, d, D), when the query gradients do not wait: each stage adds its

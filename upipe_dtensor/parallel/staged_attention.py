@@ -45,8 +45,9 @@ Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = 
             query heads: while the stages run no dx is held (planner, Llama3-8B at 3M on 8 GPUs,
             FA3, stages in turn: 48.0 GiB per GPU, where a float32 dx summed across the stages
             planned 54.3). Only when that buffer would be new and dx exists while the stages
-            run anyway (more than one KV block, e.g. MHA at U = C_h, no checkpointing) does each
-            stage's dQ go into dx and dwq at once instead, so the stages hold dx alone
+            run anyway (more than one KV block, e.g. MHA at U = C_h, no checkpointing) and dx
+            and dwq take fewer bytes than dx and the buffer (N >> D: long context) does each
+            stage's dQ go into dx and dwq at once instead
             (``AttentionProjections.query_grads_wait``).
   weights : a stage whose heads are not contiguous gathers its U*d rows of wq and columns of wo
             (independent of the sequence length, so negligible at long context).
@@ -190,7 +191,8 @@ def staged_backward(
     closes, and dx += dQ @ wq and dwq = dQ.T @ x are one product each after the last stage, so
     no dx is held while the stages run. When the buffer would be new and dx exists while the
     stages run anyway (more than one KV block), each stage's dQ goes into dx and dwq at once
-    instead (``projections.AttentionProjections.query_grads_wait``). A KV block's dK, dV are
+    instead if that holds less (``projections.AttentionProjections.query_grads_wait``; at long
+    context it does). A KV block's dK, dV are
     summed over its stages in float32 (``merge.add_piece``; a block of one stage keeps the
     kernel's own). The sums are in stage order whether or not the stages overlap."""
     layer = _Layer(x, weights, params, doc_ids)
@@ -199,7 +201,7 @@ def staged_backward(
     per_block = layer.schedule.stages_per_kv_block
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
-    wait = layer.query_grads_wait(params.output_is_scratch)
+    wait = layer.query_grads_wait(x, params.output_is_scratch)
     # Waiting, dx is created when the first KV block closes and dwq after the last stage.
     grads_q = (out if params.output_is_scratch else torch.empty_like(out)) if wait else None
     grad_x = None if wait else layer.new_input_grad(x, wait)
