@@ -332,7 +332,8 @@ def test_gpu_check_prints_its_whole_table_when_a_backend_fails(monkeypatch) -> N
     failed = [row for row in rows if isinstance(row, gpu_check.FailedRow)]
     assert len(failed) == len(rows) // 2 == 5
     assert all(row.backend == "failing" and "injected kernel error" in row.error for row in failed)
-    table = gpu_check.render(1, "cpu", rows, {"fa3": "no CUDA device"}, None, "RuntimeError: x")
+    failure = "failed: RuntimeError: x"
+    table = gpu_check.render(1, "cpu", rows, {"fa3": "no CUDA device"}, None, failure)
     assert table.count("| sdpa |") == 5 and table.count("| failing | failed: RuntimeError") == 5
     assert (
         "| (skipped) | fa3 | no CUDA device |" in table and "| failed: RuntimeError: x |" in table

@@ -45,6 +45,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jobs.retrieval",
             "jobs.convert",
             "jobs.gpu_check",
+            "jobs.stand_in",
+            "jobs.kernel_rates",
             "plan",
             "evaluate",
             "convert",
