@@ -47,6 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jobs.gpu_check",
             "jobs.stand_in",
             "jobs.kernel_rates",
+            "jobs.evidence",
             "plan",
             "evaluate",
             "convert",
