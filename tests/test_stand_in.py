@@ -2,18 +2,24 @@
 one process: the fake group's exchanges hold finite local data only inside a stand-in run (a plan
 never asks), FSDP2's reduce-scatter keeps this rank's own chunk, the ring stages CUDA tensors
 through host memory exactly when the group's CUDA backend is gloo, and profiled kernels fall into
-the step-time model's categories by their names. The measured run itself, on CPU, is in
-``tests/test_gpu_evidence.py``."""
+the step-time model's categories by their names, and the report a GPU run prints renders from a GPU
+plan. The measured run itself, on CPU, is in ``tests/test_gpu_evidence.py``."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from upipe_dtensor.jobs.stand_in import classify
+from upipe_dtensor.config import parse_args
+from upipe_dtensor.jobs.stand_in import CATEGORIES, Measured, classify, report
+from upipe_dtensor.models.llama3 import FLAVORS
 from upipe_dtensor.parallel.all_to_all import start_sequence_to_heads
+from upipe_dtensor.planning.step import Budget, plan_job
 from upipe_dtensor.runtime.fake_process_group import (
     LocalReduceScatter,
     fill_as_received,
@@ -22,6 +28,8 @@ from upipe_dtensor.runtime.fake_process_group import (
 from upipe_dtensor.runtime.process_group import stages_through_host
 
 pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -100,3 +108,44 @@ def test_cpu_ops_fall_into_the_models_categories() -> None:
         == "attention backward"
     )
     assert classify("aten::copy_", on_gpu=False) == "memory-bound ops"
+
+
+def test_a_gpu_plans_report_renders_every_row(monkeypatch) -> None:
+    """The report a GPU stand-in prints, from a GPU plan (the debug job traced for CUDA, with
+    activation offload) and measured numbers made up here: every memory row, the planned time of
+    every category and the in-step rates against the H100 ranges (what only the lent GPU
+    fills in for real)."""
+    two_layers = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2)
+    monkeypatch.setitem(FLAVORS, "debugmodel", two_layers)
+    config = parse_args([
+        "--config", str(REPO / "train_configs/debug_model.toml"), "--training.seq_len", "256",
+        "--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "true",
+    ])  # fmt: skip
+    plan = plan_job(config, Budget(gpu="h100-sxm"), target="cuda").as_dict()
+    seconds = dict.fromkeys(CATEGORIES, 1e-3)
+    measured = Measured(
+        peak_allocated_bytes=plan["tracked_peak_bytes"],
+        peak_reserved_bytes=plan["allocator_peak_bytes"],
+        device_in_use_bytes=plan["device_peak_bytes"],
+        host_offload_peak_bytes=plan["host_peak_bytes"],
+        alloc_retries=0,
+        step_seconds=[0.01, 0.01],
+        losses=[8.0, 7.9],
+        grad_norms=[1.0, float("nan")],
+        by_category_s=seconds,
+        top_kernels=[{"name": "nvjet_tst_x", "category": "matmul", "seconds": 1e-3}],
+        profiled_step_s=0.012,
+        build_and_first_step_s=30.0,
+    )
+    result, lines = report(config, 2, plan, measured, "NVIDIA H100 80GB HBM3")
+    assert [row["what"] for row in result["memory"]] == [
+        "peak allocated", "peak reserved", "device in use after the steps",
+        "host (offloaded activations)",
+    ]  # fmt: skip
+    assert set(result["planned_by_category_s"]) == {*CATEGORIES, "step without collectives"}
+    assert result["planned_by_category_s"]["host transfers"] > 0  # offloaded block inputs
+    rates = {row["category"]: row for row in result["in_step_rates"]}
+    assert {"matmul", "attention forward", "attention backward", "memory-bound ops"} <= set(rates)
+    assert rates["matmul"]["low"] == 560e12 and rates["matmul"]["verdict"] in ("below", "inside")
+    text = "\n".join(lines)
+    assert "NOT FINITE" in text and "in-step rate, matmul" in text and "peak reserved" in text

@@ -59,7 +59,7 @@ from upipe_dtensor.jobs.setup import Placement, build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.planning.hardware import load_profile
+from upipe_dtensor.planning.hardware import GPU_PROFILES, load_profile
 from upipe_dtensor.planning.step import NCCL_BUFFERS, Budget, plan_job, tracked_step
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
 from upipe_dtensor.runtime.fake_process_group import (
@@ -328,28 +328,37 @@ def measure(config: JobConfig, world: int, device: torch.device, steps: int) -> 
 
 
 def planned_times(plan: dict) -> dict[str, float] | None:
-    """The plan's time per measured category (``CATEGORIES``) and the sum it compares with the
-    measured step: compute, every host transfer, and the optimizer; None without a prediction."""
+    """The plan's time per measured category (``CATEGORIES``), and the step it compares with the
+    measured one (compute, exposed host transfers, optimizer: no collectives); None without a
+    prediction. Host transfers are all of the step's copies at the profile's central link rate
+    (the measured kernels count them whole, though most overlap compute)."""
     speed = plan.get("speed")
     if not speed:
         return None
     compute, breakdown = speed["compute_s"], speed["time_breakdown_s"]
+    profile = GPU_PROFILES.get(speed["profile"])
+    copied = sum(v for k, v in speed["work"].items() if k.startswith("host copies"))
     times = {
         "matmul": compute["matmul"],
         "attention forward": compute["attention forward"],
         "attention backward": compute["attention backward"],
         "memory-bound ops": compute["memory-bound ops"] + compute.get("op dispatch", 0.0),
-        "host transfers": breakdown["exposed host transfers"],
+        "host transfers": copied / profile.host_link_bytes_per_s
+        if profile
+        else breakdown["exposed host transfers"],
         "optimizer": breakdown["optimizer"],
     }
-    times["step without collectives"] = sum(times.values())
+    times["step without collectives"] = (
+        sum(compute.values()) + breakdown["exposed host transfers"] + breakdown["optimizer"]
+    )
     return times
 
 
-def in_step_rates(plan: dict, measured: dict[str, float], device: torch.device) -> list[dict]:
+def in_step_rates(plan: dict, measured: dict[str, float]) -> list[dict]:
     """The plan's counted work over the measured time of its category: the rates the kernels
-    reached inside the step, beside the profile's range for each (``jobs.kernel_rates``)."""
-    work = (plan.get("speed") or {}).get("work") or {}
+    reached inside the step, beside the range of the plan's GPU profile for each (none on CPU)."""
+    speed = plan.get("speed") or {}
+    work = speed.get("work") or {}
     backend = plan["attention_backend"]
     attention = {
         direction: sum(v for k, v in work.items() if k.startswith("attention FLOPs") and mark in k)
@@ -368,7 +377,7 @@ def in_step_rates(plan: dict, measured: dict[str, float], device: torch.device) 
         ("memory-bound ops", work.get("memory-bound bytes", 0.0), "B/s", "memory_bytes_per_s"),
         ("host transfers", host, "B/s", "host_link_bytes_per_s"),
     ]
-    profile = kernel_rates.gpu_profile(device)
+    profile = GPU_PROFILES.get(speed.get("profile", ""))
     result = []
     for category, amount, unit, constant in rows:
         seconds = measured[category]
@@ -381,9 +390,10 @@ def in_step_rates(plan: dict, measured: dict[str, float], device: torch.device) 
     return result
 
 
-def report(config: JobConfig, world: int, device: torch.device, plan: dict, measured: Measured):
-    """The stand-in's result as a dict (``--json``) and as lines to print."""
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+def report(config: JobConfig, world: int, plan: dict, measured: Measured, device_name: str):
+    """The stand-in's result as a dict (``--json``) and as lines to print (``device_name``:
+    the GPU's, or "CPU")."""
+    on_gpu = device_name != "CPU"
     nccl = sum(v for k, v in plan["device_breakdown"].items() if k.startswith(NCCL_BUFFERS))
     memory = [  # (what, measured, planned, how the two are measured)
         (
@@ -391,11 +401,11 @@ def report(config: JobConfig, world: int, device: torch.device, plan: dict, meas
             measured.peak_allocated_bytes,
             plan["tracked_peak_bytes"],
             "torch.cuda.max_memory_allocated vs the plan's tracked peak"
-            if device.type == "cuda"
+            if on_gpu
             else "live tensors of a tracked step (the planner's CPU tests' method) vs the plan",
         ),
     ]
-    if device.type == "cuda":
+    if on_gpu:
         memory += [
             (
                 "peak reserved",
@@ -445,7 +455,7 @@ def report(config: JobConfig, world: int, device: torch.device, plan: dict, meas
         "measured_by_category_s": measured.by_category_s,
         "top_kernels": measured.top_kernels,
         "planned_by_category_s": planned,
-        "in_step_rates": in_step_rates(plan, measured.by_category_s, device),
+        "in_step_rates": in_step_rates(plan, measured.by_category_s),
         "losses": measured.losses,
         "grad_norms": measured.grad_norms,
         "finite": measured.finite,
@@ -536,7 +546,8 @@ def run(
         priced = plan_job(config, Budget(), world, target="cpu", profile=load_profile(profile_path))
         plan["speed"] = priced.as_dict()["speed"]
     refuse_what_does_not_fit(plan, device)
-    result, lines = report(config, world, device, plan, measure(config, world, device, steps))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    result, lines = report(config, world, plan, measure(config, world, device, steps), name)
     print("\n".join(lines), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
