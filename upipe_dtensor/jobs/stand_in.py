@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -250,12 +251,18 @@ class Measured:
         return all(math.isfinite(v) for v in (*self.losses, *self.grad_norms))
 
 
-def _one_step(trainer: Trainer, batches, device: torch.device) -> tuple[float, float, float]:
+def _one_step(
+    trainer: Trainer, batches, device: torch.device, what: str
+) -> tuple[float, float, float]:
+    """One training step, timed to its last kernel; a progress line on stderr (a run stopped at
+    its time limit has told how far it got)."""
     began = time.perf_counter()
     loss, grad_norm = trainer.train_step(batches)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - began, float(loss), float(grad_norm)
+    seconds = time.perf_counter() - began
+    print(f"stand-in: {what}: {seconds:.2f} s, loss {float(loss):.4g}", file=sys.stderr, flush=True)
+    return seconds, float(loss), float(grad_norm)
 
 
 def _built(config: JobConfig, world: int, device: torch.device) -> Trainer:
@@ -291,15 +298,17 @@ def measure(config: JobConfig, world: int, device: torch.device, steps: int) -> 
             shape = (training.local_batch_size, training.seq_len + 1)
             tokens = torch.randint(0, vocab, shape, generator=generator)
             batches = [(tokens[:, :-1], tokens[:, 1:])] * training.gradient_accumulation_steps
-            _one_step(trainer, batches, device)  # warm-up (CPU: out of the tracker's op mode)
+            _one_step(trainer, batches, device, "warm-up step")  # CPU: out of the tracker's mode
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
                 retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
             first = time.perf_counter() - began
-            timed = [_one_step(trainer, batches, device) for _ in range(steps)]
+            timed = [
+                _one_step(trainer, batches, device, f"timed step {i + 1}") for i in range(steps)
+            ]
             activity = torch.profiler.ProfilerActivity
             with torch.profiler.profile(activities=[activity.CUDA if cuda else activity.CPU]) as p:
-                profiled, *_ = _one_step(trainer, batches, device)
+                profiled, *_ = _one_step(trainer, batches, device, "profiled step")
         by_category, top = time_by_category(p, cuda)
         offload = trainer.host_offload
         if cuda:
@@ -545,6 +554,8 @@ def run(
     if profile_path and device.type == "cpu":
         priced = plan_job(config, Budget(), world, target="cpu", profile=load_profile(profile_path))
         plan["speed"] = priced.as_dict()["speed"]
+    print(f"stand-in: plan {plan['source']}: tracked peak {plan['tracked_peak_bytes'] / GiB:.2f} "
+          f"GiB, {plan['attention_backend']} attention", file=sys.stderr, flush=True)  # fmt: skip
     refuse_what_does_not_fit(plan, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result, lines = report(config, world, plan, measure(config, world, device, steps), name)
