@@ -102,7 +102,7 @@ MEMORY_STACK = [
     "--memory.chunked_loss",
     "true",
 ]
-RING = ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"]
+RING = ["--parallelism.cp_style", "ring"]
 FPDT = [
     "--parallelism.cp_style",
     "fpdt",
@@ -115,7 +115,7 @@ FPDT = [
     "extra",
     [
         [],
-        ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"],
+        ["--parallelism.cp_style", "ulysses"],
         ["--compile.enable", "true"],
         RING + MEMORY_STACK,
         FPDT + MEMORY_STACK + ["--compile.enable", "true"],
