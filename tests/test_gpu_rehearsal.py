@@ -36,7 +36,8 @@ from upipe_dtensor.parallel import style as style_module
 from upipe_dtensor.planning import step as planning_step
 from upipe_dtensor.planning.rehearsal import GpuRehearsal
 from upipe_dtensor.planning.step import plan_job
-from upipe_dtensor.runtime.process_group import backend_device_types, process_group_backend
+from upipe_dtensor.runtime.group_backends import backend_device_types
+from upipe_dtensor.runtime.process_group import process_group_backend
 
 pytestmark = pytest.mark.unit
 

@@ -25,7 +25,7 @@ from upipe_dtensor.runtime.fake_process_group import (
     fill_as_received,
     local_data_in_fake_collectives,
 )
-from upipe_dtensor.runtime.process_group import stages_through_host
+from upipe_dtensor.runtime.group_backends import stages_through_host
 
 pytestmark = pytest.mark.unit
 

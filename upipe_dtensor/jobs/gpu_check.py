@@ -5,7 +5,7 @@
 
 More ranks than GPUs share them (rank r on GPU LOCAL_RANK mod the GPUs): NCCL refuses two ranks on
 one device, so such a run's group is gloo, whose collectives take CUDA tensors (the ring's sends
-go through host memory, ``runtime.process_group.stages_through_host``); the parity rows then check
+go through host memory, ``runtime.group_backends.stages_through_host``); the parity rows then check
 the GPU's kernels and the styles' arithmetic, not NCCL, and the step is left to ``--stand-in``
 (``jobs.stand_in``), which measures a recipe's rank 0 beside its plan.
 

@@ -44,7 +44,7 @@ from upipe_dtensor.kernels.attention import attention_backward, attention_forwar
 from upipe_dtensor.kernels.merge import PartialAttention, accumulator
 from upipe_dtensor.parallel.layouts import ring_halves, ring_positions
 from upipe_dtensor.runtime.fake_process_group import fill_as_received
-from upipe_dtensor.runtime.process_group import stages_through_host
+from upipe_dtensor.runtime.group_backends import stages_through_host
 
 _KV_TAG, _GRAD_TAG = 1, 2
 

@@ -8,22 +8,18 @@ torchtitan's ``init_distributed`` sets up in the same case. With NCCL alone such
 raises "No backend type associated with device type cpu" at the first step.
 
 Several ranks on one GPU (``gpu_check``'s numerics on a machine with fewer GPUs than ranks) cannot
-use NCCL, which refuses two ranks on one device ("Duplicate GPU detected"): they run gloo, whose
-collectives take CUDA tensors (staged through pinned host memory) but whose send and receive do
-not, so point-to-point exchanges of CUDA tensors go through host copies there
-(``stages_through_host``).
+use NCCL, which refuses two ranks on one device ("Duplicate GPU detected"): they run gloo
+(``runtime.group_backends`` says what gloo does with CUDA tensors).
 
 The trainer (``jobs.build``), ``gpu_check`` and the planner all take the string from
 ``process_group_backend``; the planner checks every collective of the traced step against it
-(``planning.rehearsal``), so a host collective without a CPU backend is refused in the plan.
+(``planning.rehearsal``, ``group_backends.backend_device_types``), so a host collective without a
+CPU backend is refused in the plan.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-import torch
-import torch.distributed as dist
 
 if TYPE_CHECKING:  # the config layer sits above the runtime (tests/test_layering.py)
     from upipe_dtensor.config.schema import JobConfig
@@ -42,22 +38,3 @@ def process_group_backend(device_type: str, host_tensors: bool, shared_gpu: bool
     if device_type != "cuda" or shared_gpu:
         return "gloo"
     return "cuda:nccl,cpu:gloo" if host_tensors else "nccl"
-
-
-def stages_through_host(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether send/recv of ``device`` tensors over ``group`` must be staged through host
-    memory: CUDA tensors on a group whose CUDA backend is gloo (no CUDA send/recv in torch
-    2.11's gloo; the pointer would go to gloo as if it were host memory)."""
-    if device.type != "cuda" or group is None:
-        return False
-    return backend_device_types(dist.get_backend(group)).get("cuda") == "gloo"
-
-
-def backend_device_types(backend: str) -> dict[str, str]:
-    """Device type -> backend of a backend string: "cuda:nccl,cpu:gloo" names each; a single
-    backend covers the device types torch lists for it (``Backend.backend_capability``: nccl
-    cuda only, gloo cpu and cuda)."""
-    if ":" in backend:
-        pairs = (part.split(":", 1) for part in backend.split(","))
-        return {device.strip(): name.strip() for device, name in pairs}
-    return {device: backend for device in dist.Backend.backend_capability.get(backend, [])}
