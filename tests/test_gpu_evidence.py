@@ -33,7 +33,7 @@ def test_gpu_evidence_script_on_cpu_writes_both_reports(tmp_path: Path) -> None:
     env = os.environ | {"PYTHON": sys.executable}
     run = subprocess.run(
         ["bash", "scripts/gpu_evidence.sh", "--device", "cpu", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert (out / "report.md").is_file() and (out / "report.json").is_file(), run.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
