@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
 mkdir -p .gpu_plans
+commit="$(git rev-parse HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')"
 for recipe in llama3_8b_128K llama3_8b_256K; do
     for gpu in h100-sxm h200; do
         echo "planning $recipe for $gpu" >&2
@@ -16,6 +17,5 @@ for recipe in llama3_8b_128K llama3_8b_256K; do
             --parallelism.attention_backend cudnn --json >".gpu_plans/$recipe.cudnn.$gpu.json"
     done
 done
-echo "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" \
-    >.gpu_plans/commit.txt
+echo "$commit" >.gpu_plans/commit.txt  # the tree the plans were made from
 ls -l .gpu_plans
