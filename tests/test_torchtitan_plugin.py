@@ -1,0 +1,285 @@
+"""The torchtitan plug-in (``upipe_dtensor.integrations.torchtitan``) inside torchtitan's own
+``Trainer``: its debug model, 10 steps, CP 2 on CPU gloo ranks, losses equal to torchtitan's
+trainer without CP; and a load balancer that would feed the style the wrong tokens is refused.
+
+torchtitan 0.2.2 does not run on CPU as shipped; ``_torchtitan_on_cpu`` patches, in the rank
+processes only, exactly what these runs need: its device detection (``tools/utils.py`` falls back
+to "cuda" without an accelerator; the modules that copied ``device_type`` / ``device_module`` at
+import get "cpu" and a device module whose memory statistics are zero), and FSDP's gradient
+reduction (torchtitan sets the divide factor to 1, which FSDP2 reduces with PREMUL_SUM, which
+gloo lacks: the test makes FSDP sum, then divide by 1). Every run starts from one seed
+checkpoint written by the baseline, torchtitan's documented way to compare parallelisms (FSDP's
+sharded initialisation draws other numbers than an unsharded one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import types
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from harness import run_on_ranks
+
+from upipe_dtensor.integrations.torchtitan import check_load_balancer, torchtitan_layout
+from upipe_dtensor.parallel.registry import make_style
+from upipe_dtensor.parallel.style_options import Geometry
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = "upipe_dtensor.integrations.torchtitan"
+STEPS = 10
+
+
+def _common_args(data: Path, dump: Path) -> list[str]:
+    """torchtitan's debug model on the shipped tokenizer and corpus, float32 throughout."""
+    return [
+        "--model.flavor=debugmodel",
+        f"--model.hf_assets_path={ROOT / 'assets' / 'tokenizer'}",
+        "--training.dataset=c4_test",
+        f"--training.dataset_path={data}",
+        "--training.seq_len=64",
+        "--training.local_batch_size=2",
+        f"--training.steps={STEPS}",
+        "--training.mixed_precision_param=float32",
+        "--lr_scheduler.warmup_steps=2",
+        "--lr_scheduler.min_lr_factor=1",  # constant after warmup, as in _project_trainer_args
+        "--metrics.log_freq=1",
+        "--checkpoint.enable",
+        f"--job.dump_folder={dump}",
+    ]
+
+
+@contextlib.contextmanager
+def _torchtitan_on_cpu(rank: int):
+    """What torchtitan 0.2.2 needs to train on CPU gloo ranks (module docstring), and the
+    LOCAL_RANK torchrun would set."""
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
+    import torchtitan.tools.utils as tools
+    from torch.distributed.fsdp import FSDPModule
+
+    cpu = types.SimpleNamespace(
+        set_device=torch.cpu.set_device,
+        synchronize=torch.cpu.synchronize,
+        current_device=lambda: 0,  # an index, as barrier(device_ids=...) takes
+        get_device_name=lambda *_: "cpu",
+        get_device_properties=lambda *_: types.SimpleNamespace(total_memory=1),
+        reset_peak_memory_stats=lambda *_: None,
+        empty_cache=lambda: None,
+        memory_stats=lambda *_: {},  # torchtitan reads absent statistics as -1
+    )
+    undivided = llama3_parallelize.disable_fsdp_gradient_division
+
+    def sum_then_divide(model: torch.nn.Module) -> None:
+        undivided(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, LOCAL_RANK=str(rank)))
+        for module in (tools, dist_utils, metrics):
+            stack.enter_context(mock.patch.object(module, "device_type", "cpu"))
+            stack.enter_context(mock.patch.object(module, "device_module", cpu))
+        stack.enter_context(mock.patch.object(parallel_dims, "device_type", "cpu"))
+        stack.enter_context(
+            mock.patch.object(llama3_parallelize, "disable_fsdp_gradient_division", sum_then_divide)
+        )
+        yield
+
+
+def _train(trainer_class: type, args: list[str], *, save_seed: bool = False) -> list[float]:
+    """Build ``trainer_class`` from torchtitan's command line ``args``, train, and return the
+    loss torchtitan logs at every step (its global average over the ranks)."""
+    from torchtitan.config import ConfigManager
+
+    trainer = trainer_class(ConfigManager().parse_args(args))
+    losses: list[float] = []
+    log = trainer.metrics_processor.log
+
+    def record(step, global_avg_loss, *rest, **kwargs):
+        losses.append(float(global_avg_loss))
+        return log(step, global_avg_loss, *rest, **kwargs)
+
+    trainer.metrics_processor.log = record
+    try:
+        if save_seed:  # what `torchtitan.train --checkpoint.create_seed_checkpoint` does
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        trainer.train()
+    finally:
+        trainer.close()
+    return losses
+
+
+def _baseline(rank: int, world_size: int, common: list[str], out: Path) -> None:
+    """torchtitan's own llama3 spec on one rank, no CP; writes the seed checkpoint."""
+    from torchtitan.train import Trainer
+
+    with _torchtitan_on_cpu(rank):
+        out.write_text(json.dumps(_train(Trainer, [*common, "--model.name=llama3"], save_seed=True)))
+
+
+def _project_trainer_args(data: Path, hf_config: Path, seed: Path, dump: Path) -> list[str]:
+    """This project's train.py on the same model (torchtitan's debug model as a config.json),
+    weights (the seed checkpoint), data, optimizer, schedule and style as the plug-in's run."""
+    return [
+        "--config",
+        str(ROOT / "train_configs" / "debug_model.toml"),
+        f"--job.dump_folder={dump}",
+        "--model.flavor=hf",
+        f"--model.hf_assets_path={hf_config}",
+        f"--checkpoint.initial_load_path={seed}",
+        "--checkpoint.enable=false",
+        f"--training.dataset_path={data}",
+        "--training.seq_len=64",
+        "--training.local_batch_size=2",
+        f"--training.steps={STEPS}",
+        "--optimizer.lr=8e-4",
+        "--lr_scheduler.warmup_steps=2",
+        "--lr_scheduler.min_lr_factor=1",
+        "--parallelism.heads_per_stage=8",
+        "--metrics.enable_tensorboard=false",
+    ]
+
+
+def _with_plugin(
+    rank: int, world_size: int, common: list[str], seed: Path, ours: list[str], out: Path
+) -> None:
+    """On 2 ranks, cp 2: the mismatched balancer refused by torchtitan's Trainer, then UPipe in
+    torchtitan's Trainer (torchtitan cuts the sequence), then UPipe x FPDT in the plug-in's
+    ``UPipeTrainer`` (the style cuts it: chunk-strided)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.context_parallel import cp_shard
+    from torchtitan.train import Trainer
+
+    from upipe_dtensor.integrations.torchtitan import UPipeTrainer
+
+    for balancer in (None, "headtail"):  # the plug-in's model of how torchtitan cuts sequences
+        (cut,), _ = cp_shard(init_device_mesh("cpu", (2,)), (torch.arange(64)[None],), None, balancer)
+        assert torch.equal(cut[0], torchtitan_layout(balancer, 64, 2)[rank]), balancer
+    plugin = [
+        *common,
+        f"--experimental.custom_import={PLUGIN}",
+        f"--job.custom_config_module={PLUGIN}",
+        "--model.name=llama3_upipe",
+        "--parallelism.context_parallel_degree=2",
+        f"--checkpoint.initial_load_path={seed}",
+    ]
+    losses = {}
+    with _torchtitan_on_cpu(rank):
+        with pytest.raises(ValueError) as refused:
+            _train(Trainer, [*plugin, "--parallelism.context_parallel_load_balancer=headtail"])
+        losses["refusal"] = str(refused.value)
+        losses["upipe"] = _train(
+            Trainer, [*plugin, "--upipe.heads_per_stage=8", "--checkpoint.folder=upipe"]
+        )
+        losses["fpdt"] = _train(
+            UPipeTrainer,
+            [
+                *plugin,
+                "--upipe.cp_style=fpdt",
+                "--upipe.fpdt_chunk_tokens=32",
+                "--activation_checkpoint.mode=none",
+                "--checkpoint.folder=fpdt",
+            ],
+        )
+    from upipe_dtensor.config import parse_args
+    from upipe_dtensor.jobs.trainer import Trainer as ProjectTrainer
+
+    losses["this project's trainer"] = ProjectTrainer(parse_args(ours)).train()
+    if rank == 0:
+        out.write_text(json.dumps(losses))
+
+
+def _debugmodel_as_hf_config() -> dict:
+    """torchtitan's llama3 debug model as a Hugging Face config.json (this project's trainer
+    reads a shape it has no flavor for from one)."""
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    args = llama3_args["debugmodel"]
+    with torch.device("meta"):
+        ffn_dim = Transformer(args).layers["0"].feed_forward.w1.weight.shape[0]
+    scaling = args.rope_scaling_args
+    return {
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads or args.n_heads,
+        "intermediate_size": ffn_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": scaling.scaling_factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        },
+    }
+
+
+def test_upipe_in_torchtitans_trainer_equals_it_without_cp(tmp_path: Path) -> None:
+    data = tmp_path / "data"  # the corpus as one .jsonl: torchtitan's loader reads a folder
+    data.mkdir()
+    shutil.copy(ROOT / "assets" / "corpus" / "stdlib_docs.jsonl", data)
+    common = _common_args(data, tmp_path / "dump")
+    hf_config = tmp_path / "debugmodel"
+    hf_config.mkdir()
+    (hf_config / "config.json").write_text(json.dumps(_debugmodel_as_hf_config()))
+
+    run_on_ranks(1, _baseline, common, tmp_path / "baseline.json")
+    baseline = json.loads((tmp_path / "baseline.json").read_text())
+    seed = tmp_path / "dump" / "checkpoint" / "step-0"
+    ours = _project_trainer_args(data, hf_config, seed, tmp_path / "ours")
+    run_on_ranks(2, _with_plugin, common, seed, ours, tmp_path / "plugin.json")
+    runs = json.loads((tmp_path / "plugin.json").read_text())
+
+    refusal = runs.pop("refusal")
+    assert "\n" not in refusal
+    assert "context_parallel_load_balancer = 'headtail'" in refusal
+    assert "--parallelism.context_parallel_load_balancer None" in refusal
+    assert len(baseline) == STEPS and baseline[-1] < baseline[0]  # it trains
+    for name, losses in runs.items():
+        assert losses == pytest.approx(baseline, rel=1e-5, abs=0), name
+
+
+@pytest.mark.parametrize(
+    ("values", "balancer", "fix"),
+    [
+        ({"cp_style": "upipe"}, "headtail", "--parallelism.context_parallel_load_balancer None"),
+        ({"cp_style": "ulysses"}, "headtail", "--parallelism.context_parallel_load_balancer None"),
+        ({"cp_style": "ring"}, None, "context_parallel_load_balancer = 'headtail'"),
+        ({"cp_style": "fpdt", "fpdt_chunk_tokens": 16}, None, "-m upipe_dtensor.integrations"),
+        ({"cp_style": "upipe", "fpdt_chunk_tokens": 16}, "headtail", "-m upipe_dtensor.integ"),
+        ({"cp_style": "upipe"}, "ptrr", "--parallelism.context_parallel_load_balancer None"),
+    ],
+)
+def test_a_balancer_that_is_not_the_styles_layout_is_refused(values, balancer, fix) -> None:
+    style = make_style(values, Geometry(ring_degree=1))
+    with pytest.raises(ValueError) as refused:
+        check_load_balancer(style, balancer, 64, 4)
+    assert "\n" not in str(refused.value) and fix in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "balancer"),
+    [
+        ({"cp_style": "upipe"}, None),
+        ({"cp_style": "ulysses"}, None),
+        ({"cp_style": "ring"}, "headtail"),
+        ({"cp_style": "fpdt", "fpdt_chunk_tokens": 64}, None),  # one chunk: contiguous
+    ],
+)
+def test_the_balancer_of_the_styles_layout_is_accepted(values, balancer) -> None:
+    check_load_balancer(make_style(values, Geometry(ring_degree=1)), balancer, 64, 4)
