@@ -6,8 +6,8 @@ torchtitan 0.2.2 does not run on CPU as shipped; ``_torchtitan_on_cpu`` patches,
 processes only, exactly what these runs need: its device detection (``tools/utils.py`` falls back
 to "cuda" without an accelerator; the modules that copied ``device_type`` / ``device_module`` at
 import get "cpu" and a device module whose memory statistics are zero), and FSDP's gradient
-reduction (torchtitan sets the divide factor to 1, which FSDP2 reduces with PREMUL_SUM, which
-gloo lacks: the test makes FSDP sum, then divide by 1). Every run starts from one seed
+reduction (torchtitan sets a gradient divide factor, which FSDP2 reduces with PREMUL_SUM, which
+gloo lacks: the test makes FSDP sum, then divide). Every run starts from one seed
 checkpoint written by the baseline, torchtitan's documented way to compare parallelisms (FSDP's
 sharded initialisation draws other numbers than an unsharded one).
 """
@@ -26,7 +26,13 @@ import pytest
 import torch
 from harness import run_on_ranks
 
-from upipe_dtensor.integrations.torchtitan import check_load_balancer, torchtitan_layout
+from upipe_dtensor.integrations.torchtitan import (
+    UPipe,
+    check_load_balancer,
+    make_cp_style,
+    parallelize_with_style,
+    torchtitan_layout,
+)
 from upipe_dtensor.parallel.registry import make_style
 from upipe_dtensor.parallel.style_options import Geometry
 
@@ -63,7 +69,6 @@ def _torchtitan_on_cpu(rank: int):
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
-    import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
     import torchtitan.tools.utils as tools
     from torch.distributed.fsdp import FSDPModule
 
@@ -77,13 +82,11 @@ def _torchtitan_on_cpu(rank: int):
         empty_cache=lambda: None,
         memory_stats=lambda *_: {},  # torchtitan reads absent statistics as -1
     )
-    undivided = llama3_parallelize.disable_fsdp_gradient_division
+    set_divide_factor = FSDPModule.set_gradient_divide_factor
 
-    def sum_then_divide(model: torch.nn.Module) -> None:
-        undivided(model)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
+    def sum_then_divide(module: FSDPModule, factor: float) -> None:
+        set_divide_factor(module, factor)
+        module.set_force_sum_reduction_for_comms(True)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, LOCAL_RANK=str(rank)))
@@ -92,7 +95,7 @@ def _torchtitan_on_cpu(rank: int):
             stack.enter_context(mock.patch.object(module, "device_module", cpu))
         stack.enter_context(mock.patch.object(parallel_dims, "device_type", "cpu"))
         stack.enter_context(
-            mock.patch.object(llama3_parallelize, "disable_fsdp_gradient_division", sum_then_divide)
+            mock.patch.object(FSDPModule, "set_gradient_divide_factor", sum_then_divide)
         )
         yield
 
@@ -125,7 +128,9 @@ def _baseline(rank: int, world_size: int, common: list[str], out: Path) -> None:
     from torchtitan.train import Trainer
 
     with _torchtitan_on_cpu(rank):
-        out.write_text(json.dumps(_train(Trainer, [*common, "--model.name=llama3"], save_seed=True)))
+        out.write_text(
+            json.dumps(_train(Trainer, [*common, "--model.name=llama3"], save_seed=True))
+        )
 
 
 def _project_trainer_args(data: Path, hf_config: Path, seed: Path, dump: Path) -> list[str]:
@@ -164,7 +169,9 @@ def _with_plugin(
     from upipe_dtensor.integrations.torchtitan import UPipeTrainer
 
     for balancer in (None, "headtail"):  # the plug-in's model of how torchtitan cuts sequences
-        (cut,), _ = cp_shard(init_device_mesh("cpu", (2,)), (torch.arange(64)[None],), None, balancer)
+        (cut,), _ = cp_shard(
+            init_device_mesh("cpu", (2,)), (torch.arange(64)[None],), None, balancer
+        )
         assert torch.equal(cut[0], torchtitan_layout(balancer, 64, 2)[rank]), balancer
     plugin = [
         *common,
@@ -179,8 +186,15 @@ def _with_plugin(
         with pytest.raises(ValueError) as refused:
             _train(Trainer, [*plugin, "--parallelism.context_parallel_load_balancer=headtail"])
         losses["refusal"] = str(refused.value)
-        losses["upipe"] = _train(
-            Trainer, [*plugin, "--upipe.heads_per_stage=8", "--checkpoint.folder=upipe"]
+        losses["upipe"] = _train(  # with the tiled MLP and RMSNorm, which carry over
+            Trainer,
+            [
+                *plugin,
+                "--upipe.heads_per_stage=8",
+                "--upipe.tiled_mlp",
+                "--upipe.tiled_rms_norm",
+                "--checkpoint.folder=upipe",
+            ],
         )
         losses["fpdt"] = _train(
             UPipeTrainer,
@@ -283,3 +297,41 @@ def test_a_balancer_that_is_not_the_styles_layout_is_refused(values, balancer, f
 )
 def test_the_balancer_of_the_styles_layout_is_accepted(values, balancer) -> None:
     check_load_balancer(make_style(values, Geometry(ring_degree=1)), balancer, 64, 4)
+
+
+def test_the_shipped_torchtitan_job_file_trains_llama3_with_upipe() -> None:
+    """docs/torchtitan.md's job file, read by torchtitan's own ConfigManager: the plug-in's spec,
+    its [upipe] style valid for Llama3-8B on the file's cp degree and sequence, and the balancer
+    the file leaves at the plug-in's default feeding that style its layout."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.llama3 import llama3_args
+
+    path = ROOT / "train_configs" / "torchtitan" / "llama3_8b_upipe.toml"
+    config = ConfigManager().parse_args([f"--job.config_file={path}"])
+    assert config.model.name == "llama3_upipe" and config.experimental.custom_import == PLUGIN
+    cp, seq_len = config.parallelism.context_parallel_degree, config.training.seq_len
+    style = make_cp_style(llama3_args[config.model.flavor], config.upipe, cp, seq_len)
+    assert type(style).__name__ == "UPipeAttention" and config.upipe.tiled_mlp
+    check_load_balancer(style, config.parallelism.context_parallel_load_balancer, seq_len, cp)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"heads_per_stage": 12}, "[upipe] n_heads=32 is not divisible by heads_per_stage=12"),
+        ({"cp_style": "ring", "fpdt_chunk_tokens": 4096}, "does not apply to cp_style 'ring'"),
+        ({"ring_degree": 2}, "ring_degree = 2: 2D context parallelism needs a (cp_ring"),
+    ],
+)
+def test_upipe_settings_are_checked_as_parallelism_is(settings, message) -> None:
+    from torchtitan.models.llama3 import llama3_args
+
+    with pytest.raises(ValueError) as refused:
+        make_cp_style(llama3_args["8B"], UPipe(**settings), 8, 8192)
+    assert "\n" not in str(refused.value) and message in str(refused.value)
+
+
+def test_tensor_parallelism_is_refused() -> None:
+    dims = types.SimpleNamespace(tp_enabled=True, tp=2)
+    with pytest.raises(ValueError, match="tensor_parallel_degree = 2: .* set tensor_parallel_deg"):
+        parallelize_with_style(None, dims, types.SimpleNamespace(upipe=UPipe()), then=None)

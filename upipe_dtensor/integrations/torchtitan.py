@@ -92,8 +92,8 @@ class UPipeSettings:
     """Local attention kernel, as this project's [parallelism] attention_backend ('auto': the
     fastest that runs here; sdpa on CPU)."""
     ring_degree: int = 1
-    """2D context parallelism (> 1) needs a (cp_ring, cp_heads) mesh, which torchtitan does not
-    build: refused; use this project's trainer."""
+    """Must be 1: 2D context parallelism (> 1) needs a (cp_ring, cp_heads) mesh, which torchtitan
+    does not build (this project's trainer does)."""
     tiled_mlp: bool = False
     """Run each SwiGLU MLP over tiles of tokens (this project's [memory] tiled_mlp)."""
     mlp_tile_tokens: int = 0
@@ -119,8 +119,8 @@ UPipe = dataclasses.make_dataclass(
     [_option_field(key, kind) for key, kind in option_types().items()],
     bases=(UPipeSettings,),
 )
-UPipe.__doc__ = """``[upipe]``: the CP style torchtitan's trainer runs, by this project's
-``[parallelism]`` names, checked as a job file's are (``parallel.registry.make_style``)."""
+UPipe.__doc__ = """[upipe]: the CP style torchtitan's trainer runs, with this project's
+[parallelism] names, checked as its job files are (parallel.registry.make_style)."""
 
 
 @dataclass
@@ -244,16 +244,17 @@ def upipe_settings(job_config: Any) -> Any:
     return section
 
 
-def make_cp_style(model: nn.Module, settings: Any, cp_degree: int, seq_len: int):
-    """The ``[upipe]`` section's style for ``model`` on ``cp_degree`` ranks, checked as this
-    project checks ``[parallelism]`` (ValueError naming the keys and a fix)."""
+def make_cp_style(
+    args: Any, settings: Any, cp_degree: int, seq_len: int
+) -> ContextParallelAttention:
+    """The ``[upipe]`` section's style for a model of torchtitan ``args`` on ``cp_degree`` ranks,
+    checked as this project checks ``[parallelism]`` (ValueError naming the keys and a fix)."""
     if settings.ring_degree != 1:
         raise ValueError(
             f"[upipe] ring_degree = {settings.ring_degree}: 2D context parallelism needs a "
             "(cp_ring, cp_heads) mesh, which torchtitan's ParallelDims does not build; set "
             "ring_degree = 1, or train with this project's train.py (recipes/multinode/)"
         )
-    args = model.model_args
     try:
         return make_style(
             settings,
@@ -289,7 +290,7 @@ def parallelize_with_style(
         )
     if parallel_dims.cp_enabled:
         seq_len = job_config.training.seq_len
-        style = make_cp_style(model, settings, parallel_dims.cp, seq_len)
+        style = make_cp_style(model.model_args, settings, parallel_dims.cp, seq_len)
         balancer = job_config.parallelism.context_parallel_load_balancer
         if not _STYLE_LAYS_OUT_INPUTS.get():
             check_load_balancer(style, balancer, seq_len, parallel_dims.cp)
@@ -334,7 +335,9 @@ class UPipeTrainer(Trainer):
             super().__init__(job_config)
         finally:
             _STYLE_LAYS_OUT_INPUTS.reset(token)
-        self.cp_style = applied_style(self.model_parts[0]) if self.parallel_dims.cp_enabled else None
+        self.cp_style = (
+            applied_style(self.model_parts[0]) if self.parallel_dims.cp_enabled else None
+        )
 
     def post_dataloading_process(
         self, input_dict: dict[str, Tensor], labels: Tensor
