@@ -135,6 +135,15 @@ def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]
     assert reference[-1] < reference[0]
 
 
+def test_the_qwen3_debug_job_trains_on_two_ranks(tmp_path: Path) -> None:
+    """train_configs/qwen3_debug.toml, the Llama3 debug job's Qwen3 twin, trains on 2 CPU ranks
+    (its numbers against transformers' Qwen3: test_hf_qwen3.py)."""
+    qwen3 = ["--config", str(REPO / "train_configs/qwen3_debug.toml")]  # the last --config wins
+    assert _config(tmp_path, 2, qwen3).model.name == "qwen3"
+    losses = _losses(tmp_path, "qwen3", 2, qwen3)
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+
+
 def test_two_d_cp4_as_2x2_equals_cp1(tmp_path: Path, reference: list[float]) -> None:
     """2D UPipe on 4 ranks, (cp_ring, cp_heads) = (2, 2): the head all-to-all inside a pair, ring
     attention across the pairs, and the ring-balanced token layout through the whole trainer."""

@@ -233,6 +233,28 @@ def _check_data(config: JobConfig, fail) -> None:
         )
 
 
+def _check_compile(config: JobConfig, fail) -> None:
+    """With ``[compile] enable``, a backend torch.compile does not know would fail on every rank
+    after the model is built; ask dynamo's registry, which torch.compile itself looks names up in
+    (the backend is read only when compiling)."""
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    backend = config.compile.backend
+    if not config.compile.enable:
+        return
+    try:
+        lookup_backend(backend)
+    except InvalidBackend:
+        fail(
+            f"[compile] backend = {backend!r} is not a torch.compile backend; use one of "
+            f"{list_backends()} ('inductor', the default, generates kernels) or a debugging one "
+            "such as 'eager' or 'aot_eager' (torch._dynamo.list_backends(exclude_tags=()) lists "
+            "them all)",
+            "compile.backend",
+        )
+
+
 def _failer(config: JobConfig):
     """The ``fail(reason, *keys)`` of the checks: ``keys`` are the ``"section.key"`` values at
     fault, and the ConfigError names where they were set."""
@@ -343,6 +365,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "parallelism.attention_backend",
             "training.attention_mask",
         )
+    _check_compile(config, fail)
     _check_data(config, fail)
     if not os.path.exists(config.model.tokenizer_folder):
         fail(

@@ -333,9 +333,11 @@ class Checkpoint:
     modified, or the documents already read differ): the loader continues at the saved document
     index of the data as it is now. Off: such a resume is refused, naming what changed."""
     accept_model_change: bool = False
-    """Resume, convert or evaluate a snapshot although its recorded model settings (shape,
-    vocabulary, norm epsilon, RoPE) differ from this job's: on purpose, e.g. a larger rope_theta
-    to extend the context. Off: refused, naming each differing setting."""
+    """Resume, convert or evaluate a snapshot although its recorded RoPE settings (rope_theta,
+    rope_scaling's factor, frequency band and original_max_position_embeddings) differ from this
+    job's: on purpose, e.g. a larger rope_theta or scaling factor to extend the context. The
+    family, shape, head layout, vocabulary and norm epsilon make another model and are refused
+    either way. Off: any difference is refused, naming each differing setting."""
 
 
 @dataclass
