@@ -159,13 +159,15 @@ def _project_trainer_args(data: Path, hf_config: Path, seed: Path, dump: Path) -
 def _with_plugin(
     rank: int, world_size: int, common: list[str], seed: Path, ours: list[str], out: Path
 ) -> None:
-    """On 2 ranks, cp 2: the mismatched balancer refused by torchtitan's Trainer, then UPipe in
-    torchtitan's Trainer (torchtitan cuts the sequence), then UPipe x FPDT in the plug-in's
-    ``UPipeTrainer`` (the style cuts it: chunk-strided)."""
+    """On 2 ranks, cp 2: the mismatched balancer refused by torchtitan's Trainer (and, with the
+    check disabled, one step of what it would have trained), then UPipe in torchtitan's Trainer
+    (torchtitan cuts the sequence), FPDT in the plug-in's ``UPipeTrainer`` (the style cuts it:
+    chunk-strided), and this project's trainer."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.context_parallel import cp_shard
     from torchtitan.train import Trainer
 
+    from upipe_dtensor.integrations import torchtitan as plugin_module
     from upipe_dtensor.integrations.torchtitan import UPipeTrainer
 
     for balancer in (None, "headtail"):  # the plug-in's model of how torchtitan cuts sequences
@@ -183,9 +185,18 @@ def _with_plugin(
     ]
     losses = {}
     with _torchtitan_on_cpu(rank):
+        headtail = [
+            *plugin,
+            "--upipe.heads_per_stage=8",
+            "--parallelism.context_parallel_load_balancer=headtail",
+        ]
         with pytest.raises(ValueError) as refused:
-            _train(Trainer, [*plugin, "--parallelism.context_parallel_load_balancer=headtail"])
+            _train(Trainer, headtail)
         losses["refusal"] = str(refused.value)
+        with mock.patch.object(plugin_module, "check_load_balancer", lambda *_: None):
+            losses["unchecked headtail"] = _train(
+                Trainer, [*headtail, "--training.steps=1", "--checkpoint.folder=unchecked"]
+            )
         losses["upipe"] = _train(  # with the tiled MLP and RMSNorm, which carry over
             Trainer,
             [
@@ -263,6 +274,8 @@ def test_upipe_in_torchtitans_trainer_equals_it_without_cp(tmp_path: Path) -> No
     assert "\n" not in refusal
     assert "context_parallel_load_balancer = 'headtail'" in refusal
     assert "--parallelism.context_parallel_load_balancer None" in refusal
+    (unchecked,) = runs.pop("unchecked headtail")  # what the refusal prevents: a wrong loss
+    assert abs(unchecked - baseline[0]) > 10 * 1e-5 * baseline[0]
     assert len(baseline) == STEPS and baseline[-1] < baseline[0]  # it trains
     for name, losses in runs.items():
         assert losses == pytest.approx(baseline, rel=1e-5, abs=0), name
