@@ -349,3 +349,66 @@ def test_tensor_parallelism_is_refused() -> None:
     dims = types.SimpleNamespace(tp_enabled=True, tp=2)
     with pytest.raises(ValueError, match="tensor_parallel_degree = 2: .* set tensor_parallel_deg"):
         parallelize_with_style(None, dims, types.SimpleNamespace(upipe=UPipe()), then=None)
+
+
+def _untied_qwen3() -> contextlib.AbstractContextManager:
+    """torchtitan's Qwen3 debug model with its own output layer: torchtitan 0.2.2's FSDP refuses
+    tied embeddings whenever dp_shard x cp > 1, with or without the plug-in."""
+    from torchtitan.models.qwen3 import qwen3_args
+
+    return mock.patch.object(qwen3_args["debugmodel"], "enable_weight_tying", False)
+
+
+def _qwen3_baseline(rank: int, world_size: int, common: list[str], out: Path) -> None:
+    from torchtitan.train import Trainer
+
+    with _torchtitan_on_cpu(rank), _untied_qwen3():
+        losses = _train(Trainer, [*common, "--model.name=qwen3"], save_seed=True)
+    out.write_text(json.dumps(losses))
+
+
+def _qwen3_with_plugin(rank: int, world_size: int, common: list[str], seed: Path, out: Path):
+    from torchtitan.train import Trainer
+
+    plugin = [
+        *common,
+        f"--experimental.custom_import={PLUGIN}",
+        f"--job.custom_config_module={PLUGIN}",
+        "--model.name=qwen3_upipe",
+        "--parallelism.context_parallel_degree=2",
+        f"--checkpoint.initial_load_path={seed}",
+    ]
+    losses = {}
+    with _torchtitan_on_cpu(rank), _untied_qwen3():
+        losses["upipe"] = _train(Trainer, [*plugin, "--checkpoint.folder=upipe"])
+        losses["upipe compiled, tiled, full AC"] = _train(
+            Trainer,
+            [
+                *plugin,
+                "--compile.enable",
+                "--compile.backend=aot_eager",
+                "--upipe.tiled_mlp",
+                "--upipe.tiled_rms_norm",
+                "--activation_checkpoint.mode=full",
+                "--checkpoint.folder=compiled",
+            ],
+        )
+    if rank == 0:
+        out.write_text(json.dumps(losses))
+
+
+@pytest.mark.slow
+def test_qwen3_and_compile_in_torchtitans_trainer_equal_it_without_cp(tmp_path: Path) -> None:
+    """``qwen3_upipe`` (QK-norm, rotate-half RoPE, 8 KV heads) at cp = 2, eager and through
+    torchtitan's own per-block compile (aot_eager: CPU inductor takes minutes) with the tiles
+    and full AC: torchtitan's Qwen3 without CP's losses over 4 steps."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ROOT / "assets" / "corpus" / "stdlib_docs.jsonl", data)
+    common = [*_common_args(data, tmp_path / "dump"), "--training.steps=4"]
+    run_on_ranks(1, _qwen3_baseline, common, tmp_path / "baseline.json")
+    baseline = json.loads((tmp_path / "baseline.json").read_text())
+    seed = tmp_path / "dump" / "checkpoint" / "step-0"
+    run_on_ranks(2, _qwen3_with_plugin, common, seed, tmp_path / "plugin.json")
+    for name, losses in json.loads((tmp_path / "plugin.json").read_text()).items():
+        assert losses == pytest.approx(baseline, rel=1e-5, abs=0), name
