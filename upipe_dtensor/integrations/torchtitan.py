@@ -6,9 +6,10 @@ flavors, tokenizer, data loader, loss, optimizer, checkpoint adapter) whose ``pa
 first applies the ``[upipe]`` section's CP style to every ``layers.*.attention`` over
 torchtitan's ``cp`` mesh, then hands the model to torchtitan's own parallelize function, which
 applies its activation checkpointing, ``torch.compile`` and FSDP2 (over ``dp_shard x cp``, as for
-its own CP) exactly as for the plain spec, with its own CP skipped. Loaded with one flag::
+its own CP) exactly as for the plain spec, with its own CP skipped. Loaded through torchtitan's
+own extension flags (or the same keys in a job file: ``train_configs/torchtitan/``)::
 
-    torchrun --nproc_per_node 8 -m torchtitan.train --job.config_file llama3_8b_upipe.toml \\
+    torchrun --nproc_per_node 8 -m torchtitan.train --job.config_file YOUR_llama3_8b.toml \\
         --experimental.custom_import upipe_dtensor.integrations.torchtitan \\
         --job.custom_config_module upipe_dtensor.integrations.torchtitan \\
         --model.name llama3_upipe --parallelism.context_parallel_degree 8
@@ -42,6 +43,8 @@ upipe_dtensor.integrations.torchtitan`` (same arguments), torchtitan's ``main`` 
   checkpoint wrapper, not torchtitan's ``apply_ac``.
 - documents (``attention_mask = "document"``): torchtitan's sdpa models have no document ids to
   pass; its flex/varlen masks are refused by the styles.
+- RoPE at millions of tokens: torchtitan's model keeps its (max_seq_len x head_dim/2) complex64
+  table, float32 angles, on every GPU; this project's computes each shard's angles in float64.
 - the planner (``plan``), whose traced step is this project's trainer.
 - pipeline parallelism: untested with the styles, so these specs declare none and torchtitan
   refuses ``pipeline_parallel_degree > 1`` itself.
@@ -222,12 +225,12 @@ def check_load_balancer(
     expected = _spans(style.shard_positions(seq_len, 0, cp_degree))
     raise ValueError(
         f"[parallelism] context_parallel_load_balancer = {balancer!r} {fed}, but [upipe] "
-        f"cp_style = {style_name(style)!r} expects rank 0 to hold tokens {expected} of "
+        f"cp_style = {_style_name(style)!r} expects rank 0 to hold tokens {expected} of "
         f"{seq_len} (RoPE would stay right, the causal order would be wrong): {fix}"
     )
 
 
-def style_name(style: ContextParallelAttention) -> str:
+def _style_name(style: ContextParallelAttention) -> str:
     """The ``cp_style`` name of ``style``'s class."""
     return next(name for name, spec in STYLES.items() if type(style) is spec.style)
 
