@@ -248,6 +248,8 @@ def test_resume_refuses_another_dp_geometry(tokenizer):
 
 
 def test_hub_dataset_is_streamed(tokenizer, monkeypatch):
+    """The dataset's subset ([training] dataset_config_name, what load_dataset calls name) and
+    split reach load_dataset; the default is no subset and split "train"."""
     import datasets
 
     import upipe_dtensor.data.loader as loader_module
@@ -255,18 +257,24 @@ def test_hub_dataset_is_streamed(tokenizer, monkeypatch):
     monkeypatch.setattr(loader_module, "hub_unreachable", lambda name: "")  # as if online
     calls = []
 
-    def fake_load_dataset(name, split, streaming):
-        calls.append((name, split, streaming))
+    def fake_load_dataset(name, config_name=None, *, split, streaming):
+        calls.append((name, config_name, split, streaming))
         return [{"content": d} for d in _docs(5)]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     hub = dict(dataset="org/corpus", seq_len=8, batch_size=1)
-    loader = _loader(tokenizer, "", **hub, text_field="content", split="validation")
-    assert calls == [("org/corpus", "validation", True)]
+    loader = _loader(
+        tokenizer, "", **hub, text_field="content", split="validation", dataset_config_name="en"
+    )
+    assert calls == [("org/corpus", "en", "validation", True)]
+    assert loader.documents.description == (
+        "Hugging Face dataset 'org/corpus' subset 'en' split 'validation'"
+    )
     flat = _flat(itertools.islice(loader, 10))
     assert flat == _stream(tokenizer, _docs(5))[: len(flat)]
     with pytest.raises(ValueError, match="'org/corpus'.*example 0.*no field 'text'.*'content'"):
         next(iter(_loader(tokenizer, "", **hub)))
+    assert calls[-1] == ("org/corpus", None, "train", True)
 
 
 # --- bad input ------------------------------------------------------------------------------------

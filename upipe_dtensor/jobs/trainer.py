@@ -8,6 +8,7 @@ over dp_shard x cp), so gradients and the logged loss equal a single-device run 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -44,6 +45,7 @@ from upipe_dtensor.data.checks import (
     scan_sources,
 )
 from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
+from upipe_dtensor.data.startup_warnings import data_warnings
 from upipe_dtensor.jobs.build import (
     JobSetup,
     Placement,
@@ -65,6 +67,8 @@ from upipe_dtensor.runtime.errors import JobError, JobStopped
 from upipe_dtensor.runtime.metrics import MetricsLogger
 from upipe_dtensor.runtime.rank_deaths import is_communication_failure, rank_processes
 from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
+
+logger = logging.getLogger(__name__)
 
 
 def lr_lambda(config: JobConfig):
@@ -104,6 +108,9 @@ class Trainer:
         self.setup = setup = set_up_job(config, placement)
         self.device = setup.device
         self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
+        if scan is not None and dist.get_rank() == 0:
+            for line in data_warnings(config, scan, setup.tokenizer, setup.dp):
+                logger.warning(line)
         self.data_fingerprint = data_fingerprint(
             self.dataloader.documents.description, scan.files if scan else None
         )
@@ -454,6 +461,8 @@ def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
         loader = PackedTextLoader(
             dataset=training.dataset,
             dataset_path=training.dataset_path,
+            dataset_config_name=training.dataset_config_name,
+            split=training.dataset_split,
             text_field=training.dataset_text_field,
             tokenizer=setup.tokenizer,
             seq_len=training.seq_len,
@@ -468,9 +477,12 @@ def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
     except ValueError as err:
         keys = (
             "training.dataset",
+            "training.dataset_config_name",
+            "training.dataset_split",
             "training.dataset_path",
             "training.dataset_text_field",
             "training.sources",
+            "model.tokenizer_path",
         )
         raise ConfigError(f"{config.source_of(*keys)}: [training] data: {err}") from err
     return loader
