@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from upipe_dtensor.config.schema import JobConfig
 from upipe_dtensor.data.checks import MANY_LINES, DataScan, SourceScan
+from upipe_dtensor.data.loader import job_tokenizer
 from upipe_dtensor.data.mixture import Encoder
 
 MANY_PASSES = 4.0
@@ -34,7 +35,7 @@ FORM_FEED_FIX = (
 )
 
 
-def source_tokens(source: SourceScan, tokenizer: Encoder) -> tuple[int, bool]:
+def source_tokens(source: SourceScan, tokenizer: Encoder | None) -> tuple[int, bool]:
     """The source's tokens as packed (BOS and EOS included), and whether that is exact: a token
     folder's count, or the characters scaled by the sample's tokens per character."""
     if source.tokens is not None:
@@ -48,10 +49,11 @@ def source_tokens(source: SourceScan, tokenizer: Encoder) -> tuple[int, bool]:
     return estimate + 2 * source.documents, exact
 
 
-def data_warnings(config: JobConfig, scan: DataScan, tokenizer: Encoder, dp: int) -> list[str]:
+def data_warnings(config: JobConfig, scan: DataScan, dp: int) -> list[str]:
     """One line per problem the job's local data has (none: an empty list); ``dp`` data-parallel
-    ranks share the documents."""
+    ranks share the documents. Loads the job's tokenizer if a text source needs a count."""
     training = config.training
+    tokenizer = job_tokenizer(config) if any(s.tokens is None for s in scan.sources) else None
     window = training.seq_len + 1
     read_per_rank = (
         training.steps * training.local_batch_size * training.gradient_accumulation_steps * window

@@ -108,9 +108,6 @@ class Trainer:
         self.setup = setup = set_up_job(config, placement)
         self.device = setup.device
         self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
-        if scan is not None and dist.get_rank() == 0:
-            for line in data_warnings(config, scan, setup.tokenizer, setup.dp):
-                logger.warning(line)
         self.data_fingerprint = data_fingerprint(
             self.dataloader.documents.description, scan.files if scan else None
         )
@@ -494,7 +491,7 @@ def _check_before_process_group(config: JobConfig) -> DataScan | None:
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     )
-    check_job(config, world_size)
+    dp = check_job(config, world_size)
     if config.checkpoint.last_save_in_hf:
         folder = Path(config.job.dump_folder) / config.checkpoint.folder
         refuse_nonempty(
@@ -503,7 +500,7 @@ def _check_before_process_group(config: JobConfig) -> DataScan | None:
             "not write: move it away, or set [checkpoint] last_save_in_hf = false",
         )
     _check_initial_weights(config)
-    return _check_data(config)
+    return _check_data(config, dp)
 
 
 def _check_initial_weights(config: JobConfig) -> None:
@@ -518,10 +515,12 @@ def _check_initial_weights(config: JobConfig) -> None:
         raise ConfigError(f"{config.source_of(*keys)}: {why}")
 
 
-def _check_data(config: JobConfig) -> DataScan | None:
+def _check_data(config: JobConfig, dp: int) -> DataScan | None:
     """Every record of the local training data, read once: bad records are a ConfigError naming
     the first few by file and line, or, with [training] skip_bad_records, skipped and counted in
-    a warning. A Hugging Face dataset is only probed: an unreachable Hub fails in seconds."""
+    a warning; data that will train badly gets a warning line (``data.startup_warnings``). A
+    token folder is not read (its manifest stands for it). A Hugging Face dataset is only
+    probed: an unreachable Hub fails in seconds."""
     training = config.training
     where = config.source_of(
         "training.dataset",
@@ -539,12 +538,19 @@ def _check_data(config: JobConfig) -> DataScan | None:
         raise ConfigError(f"{where}: [training] data: {err}") from err
     if scan.bad_count and not training.skip_bad_records:
         raise ConfigError(f"{where}: [training] data: {scan.bad_summary()}; {BAD_RECORDS_FIX}")
-    if scan.bad_count and os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") != "0":
+        return scan
+    if scan.bad_count:
         print(
             f"WARNING: skipping {scan.bad_summary()} ([training] skip_bad_records = true)",
             file=sys.stderr,
             flush=True,
         )
+    try:
+        for line in data_warnings(config, scan, dp):
+            logger.warning(line)
+    except ValueError as err:  # the tokenizer, which every rank reports after set-up
+        logger.debug("no data warnings: %s", err)
     return scan
 
 
