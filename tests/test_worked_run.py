@@ -4,13 +4,14 @@ stands for Llama-3.1-8B, generated .jsonl and .parquet files for the user's data
 job file (extending the same recipe) with the debug scale added to it, so every command line is
 the doc's.
 
-tokenize -> plan -> gpu_check (parity only, ``--no-step``: its cheapest documented form; the
-whole check is tests/test_gpu_check.py) -> held-out tokens -> train (2 CP ranks, on the token
-folder, snapshots, a Hugging Face export at the end) -> evaluate -> convert the last snapshot
-back to a Hugging Face folder. The commands that take one process run in this one (their
-``main`` with the same argv: torch is imported once), the others under torchrun. The converted
-folder equals the trainer's own export, and transformers, loading it, gives evaluate's loss on
-the held-out tokens, each document on its own as the document mask has it."""
+tokenize -> data_report -> plan -> gpu_check (parity only, ``--no-step``: its cheapest
+documented form; the whole check is tests/test_gpu_check.py) -> held-out tokens -> train (2 CP
+ranks, on the token folder, snapshots, a Hugging Face export at the end) -> evaluate (before
+training it is the same command) -> convert the last snapshot back to a Hugging Face folder. The
+commands that take one process run in this one (their ``main`` with the same argv: torch is
+imported once), the others under torchrun. The converted folder equals the trainer's own export,
+and transformers, loading it, gives evaluate's loss on the held-out tokens, each document on its
+own as the document mask has it."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from hf_tiny import load_reference, safetensors_weights, write_tiny_hf_llama
 
-from upipe_dtensor.data import tokenize
+from upipe_dtensor.data import report, tokenize
 from upipe_dtensor.jobs import convert
 from upipe_dtensor.planning import cli as plan_cli
 
@@ -134,6 +135,9 @@ def test_worked_run_end_to_end(tmp_path: Path, capsys) -> None:
         )
     )  # fmt: skip
     assert summary["documents"] == 300 and summary["dtype"] == "uint16"
+
+    lengths = _last_json(command(report.main, "--config", str(job)))  # from the offsets
+    assert sum(row["documents"] for row in lengths["lengths"]) == 300
 
     plan = command(plan_cli.main, "--config", str(job), "--json")
     assert json.loads(plan[plan.index("{") :])["fits"] is True  # one indented JSON object
