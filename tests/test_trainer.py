@@ -104,7 +104,7 @@ MEMORY_STACK = [
     "--memory.chunked_loss",
     "true",
 ]
-RING = ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"]
+RING = ["--parallelism.cp_style", "ring"]
 FPDT = [
     "--parallelism.cp_style",
     "fpdt",
@@ -117,7 +117,7 @@ FPDT = [
     "extra",
     [
         [],
-        ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"],
+        ["--parallelism.cp_style", "ulysses"],
         ["--compile.enable", "true"],
         RING + MEMORY_STACK,
         FPDT + MEMORY_STACK + ["--compile.enable", "true"],
@@ -135,6 +135,15 @@ FPDT = [
 def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]) -> None:
     _assert_close(_losses(tmp_path, "cp2", 2, extra), reference)
     assert reference[-1] < reference[0]
+
+
+def test_the_qwen3_debug_job_trains_on_two_ranks(tmp_path: Path) -> None:
+    """train_configs/qwen3_debug.toml, the Llama3 debug job's Qwen3 twin, trains on 2 CPU ranks
+    (its numbers against transformers' Qwen3: test_hf_qwen3.py)."""
+    qwen3 = ["--config", str(REPO / "train_configs/qwen3_debug.toml")]  # the last --config wins
+    assert _config(tmp_path, 2, qwen3).model.name == "qwen3"
+    losses = _losses(tmp_path, "qwen3", 2, qwen3)
+    assert len(losses) == STEPS and losses[-1] < losses[0]
 
 
 def test_two_d_cp4_as_2x2_equals_cp1(tmp_path: Path, reference: list[float]) -> None:

@@ -54,7 +54,8 @@ from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, choose_backend
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel import ContextParallelAttention
-from upipe_dtensor.parallel.registry import STYLES
+from upipe_dtensor.parallel.registry import STYLES, make_style
+from upipe_dtensor.parallel.style_options import Geometry
 from upipe_dtensor.planning.step import Budget, Plan, plan_job
 from upipe_dtensor.runtime.collectives import outcome_on_every_rank
 from upipe_dtensor.runtime.errors import run_main
@@ -128,24 +129,24 @@ def _styles(
     """Each style, and the mesh it runs on when not the 1-D CP mesh (2D UPipe: ``two_d``): the
     built-ins in their published and UPipe x FPDT forms, a style registered later in its own."""
     kernels = {"backend": backend, "kernel_device": device_type}
-    chunks = {"chunk_tokens": seq_len // 4}
-    cases: dict[str, tuple[str, dict]] = {
-        "UPipe (U = C)": ("upipe", {}),
-        "Ulysses": ("ulysses", {}),
-        "ring": ("ring", {}),
-        "FPDT (4 chunks)": ("fpdt", chunks),
-        "UPipe x FPDT (4 chunks)": ("upipe", chunks),
+    chunks = {"fpdt_chunk_tokens": seq_len // 4}
+    cases: dict[str, dict] = {
+        "UPipe (U = C)": {"cp_style": "upipe"},
+        "Ulysses": {"cp_style": "ulysses"},
+        "ring": {"cp_style": "ring"},
+        "FPDT (4 chunks)": {"cp_style": "fpdt", **chunks},
+        "UPipe x FPDT (4 chunks)": {"cp_style": "upipe", **chunks},
     }
-    named = {name for name, _ in cases.values()}
-    for name, spec in STYLES.items():
+    named = {case["cp_style"] for case in cases.values()}
+    for name, spec in STYLES.items():  # a style registered later, in its default form
         if name not in named:
-            cases[spec.label] = (name, chunks if spec.chunks == "always" else {})
+            cases[spec.label] = {"cp_style": name}
     styles: dict[str, tuple[ContextParallelAttention, DeviceMesh | None]] = {
-        label: (STYLES[name].make(**options, **kernels), None)
-        for label, (name, options) in cases.items()
+        label: (make_style(case, **kernels), None) for label, case in cases.items()
     }
     if two_d is not None:
-        styles["2D UPipe (2 x C/2)"] = (STYLES["upipe"].make(ring_degree=2, **kernels), two_d)
+        two_d_upipe = make_style({"cp_style": "upipe"}, Geometry(ring_degree=2), **kernels)
+        styles["2D UPipe (2 x C/2)"] = (two_d_upipe, two_d)
     return styles
 
 
@@ -296,7 +297,7 @@ def _step_config(
         "--training.seq_len", str(args.tokens_per_gpu * cp),
         "--training.enable_cpu_offload", str(offload).lower(),
         "--parallelism.context_parallel_degree", str(cp),
-        "--parallelism.heads_per_stage", "0",
+        "--parallelism.heads_per_stage", "none",  # unset: the default U
         "--parallelism.attention_backend", backend,
         "--checkpoint.enable", "false",
         "--metrics.enable_tensorboard", "false",

@@ -99,13 +99,21 @@ class Trainer:
     the snapshot, is refused).
     """
 
-    def __init__(self, config: JobConfig, *, placement: Placement = Placement()) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        placement: Placement = Placement(),
+        exact_tokenizer: bool = False,
+    ) -> None:
         """By default the trainer picks its device (CUDA if present) and builds its meshes; the
-        memory planner decides them with ``placement`` (see ``jobs.setup.Placement``)."""
+        memory planner decides them with ``placement`` (see ``jobs.setup.Placement``).
+        ``exact_tokenizer``: the tokenizer must be the model's own (train.py: it trains on text;
+        ``build.check_tokenizer_fits``)."""
         self.config = config
         # A real job checks its data first; the planner lays out fake ranks and reads no data.
         scan = _check_before_process_group(config) if placement.meshes is None else None
-        self.setup = setup = set_up_job(config, placement)
+        self.setup = setup = set_up_job(config, placement, exact_tokenizer=exact_tokenizer)
         self.device = setup.device
         self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
         self.data_fingerprint = data_fingerprint(

@@ -550,11 +550,7 @@ def plan_job(
 def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:
     """Head stages per pass whose exchanges fly during the previous stage's attention (UPipe's
     ``overlap_stages`` without sequence chunks); 1 when every exchange is waited for at once."""
-    if (
-        not parallelism.style.overlap_stages
-        or not parallelism.overlap_stages
-        or parallelism.chunk_tokens
-    ):
+    if not parallelism.options.overlaps_stages:
         return 1
     return n_heads // parallelism.stage_heads(n_heads)
 
