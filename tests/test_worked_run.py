@@ -116,7 +116,7 @@ def test_worked_run_end_to_end(tmp_path: Path, capsys) -> None:
         f'[training]\ndataset_path = "{tokens}"\n'
         "seq_len = 64\nlocal_batch_size = 2\nsteps = 4  # debug scale\n"
         "[parallelism]  # debug scale: 2 CPU processes, 4 heads\n"
-        "context_parallel_degree = 2\nheads_per_stage = 0\n"
+        "context_parallel_degree = 2\nheads_per_stage = 2\n"
         "[checkpoint]  # debug scale\ninterval = 2\nexport_dtype = 'float32'\n"
         "[compile]  # debug scale\nenable = false\n"
         "[metrics]\nenable_tensorboard = false\n"
