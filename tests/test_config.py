@@ -160,10 +160,21 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
         (["--training.dataset_path", "nowhere"], 2, r"dataset_path = 'nowhere' does not exist"),
         (["--training.steps", "0"], 2, r"\[training\] steps = 0 must be >= 1"),
         (["--unknown"], 2, "expected --section.key value"),
+        (
+            ["--training.dataset_split", "validation"],
+            2,
+            r"dataset_split choose a Hugging Face dataset's subset and split, but dataset = ",
+        ),
         (["--training.dataset", " "], 2, r"command line: \[training\] dataset = ' ': use 'local'"),
         (["--training.dataset", ""], 2, r"command line: \[training\] dataset = '': use 'local'"),
         (["--checkpoint.load_step", "0"], 2, r"load_step = 0 must be -1 \(the latest snapshot\)"),
         (["--job.stop_grace_seconds", "0"], 2, r"stop_grace_seconds = 0.0 must be > 0"),
+        (
+            ["--compile.enable", "true", "--compile.backend", "bogus"],
+            2,
+            r"command line: \[compile\] backend = 'bogus' is not a torch.compile backend; use one "
+            r"of \[.*'inductor'.*\] .* such as 'eager' or 'aot_eager'",
+        ),
     ],
 )
 def test_impossible_combinations(overrides: list[str], world: int, message: str) -> None:

@@ -223,6 +223,15 @@ def _check_data(config: JobConfig, fail) -> None:
             "Face dataset name without surrounding spaces",
             "training.dataset",
         )
+    hub_keys = ("training.dataset_config_name", "training.dataset_split")
+    if dataset == "local" and any(key in config.sources for key in hub_keys):
+        fail(
+            "[training] dataset_config_name and dataset_split choose a Hugging Face dataset's "
+            "subset and split, but dataset = 'local' reads files; remove them or set dataset to "
+            "the Hugging Face dataset's name",
+            *hub_keys,
+            "training.dataset",
+        )
     if training.sources:
         _check_sources(config, fail)
     elif dataset == "local" and not os.path.exists(training.dataset_path):
@@ -230,6 +239,28 @@ def _check_data(config: JobConfig, fail) -> None:
             f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
             f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name",
             "training.dataset_path",
+        )
+
+
+def _check_compile(config: JobConfig, fail) -> None:
+    """With ``[compile] enable``, a backend torch.compile does not know would fail on every rank
+    after the model is built; ask dynamo's registry, which torch.compile itself looks names up in
+    (the backend is read only when compiling)."""
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    backend = config.compile.backend
+    if not config.compile.enable:
+        return
+    try:
+        lookup_backend(backend)
+    except InvalidBackend:
+        fail(
+            f"[compile] backend = {backend!r} is not a torch.compile backend; use one of "
+            f"{list_backends()} ('inductor', the default, generates kernels) or a debugging one "
+            "such as 'eager' or 'aot_eager' (torch._dynamo.list_backends(exclude_tags=()) lists "
+            "them all)",
+            "compile.backend",
         )
 
 
@@ -343,6 +374,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "parallelism.attention_backend",
             "training.attention_mask",
         )
+    _check_compile(config, fail)
     _check_data(config, fail)
     if not os.path.exists(config.model.tokenizer_folder):
         fail(
