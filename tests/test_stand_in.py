@@ -15,8 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from upipe_dtensor.config import parse_args
-from upipe_dtensor.jobs.stand_in import CATEGORIES, Measured, classify, report
+from upipe_dtensor.config import ConfigError, parse_args
+from upipe_dtensor.jobs.stand_in import (
+    CATEGORIES,
+    Measured,
+    classify,
+    refuse_what_does_not_fit,
+    report,
+)
 from upipe_dtensor.models.llama3 import FLAVORS
 from upipe_dtensor.parallel.all_to_all import start_sequence_to_heads
 from upipe_dtensor.planning.step import Budget, plan_job
@@ -149,3 +155,14 @@ def test_a_gpu_plans_report_renders_every_row(monkeypatch) -> None:
     assert rates["matmul"]["low"] == 560e12 and rates["matmul"]["verdict"] in ("below", "inside")
     text = "\n".join(lines)
     assert "NOT FINITE" in text and "in-step rate, matmul" in text and "peak reserved" in text
+
+
+def test_a_job_whose_host_share_does_not_fit_is_refused_before_anything_is_built() -> None:
+    plan = {
+        "host_peak_bytes": 10**15,
+        "host_holds": "activation offload",
+        "allocator_peak_bytes": 0,
+    }
+    with pytest.raises(ConfigError, match=r"holds 931322.6 GiB of host memory .* available"):
+        refuse_what_does_not_fit(plan, torch.device("cpu"))
+    refuse_what_does_not_fit(plan | {"host_peak_bytes": 2**20}, torch.device("cpu"))
