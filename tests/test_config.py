@@ -160,6 +160,11 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
         (["--training.dataset_path", "nowhere"], 2, r"dataset_path = 'nowhere' does not exist"),
         (["--training.steps", "0"], 2, r"\[training\] steps = 0 must be >= 1"),
         (["--unknown"], 2, "expected --section.key value"),
+        (
+            ["--training.dataset_split", "validation"],
+            2,
+            r"dataset_split choose a Hugging Face dataset's subset and split, but dataset = ",
+        ),
         (["--training.dataset", " "], 2, r"command line: \[training\] dataset = ' ': use 'local'"),
         (["--training.dataset", ""], 2, r"command line: \[training\] dataset = '': use 'local'"),
         (["--checkpoint.load_step", "0"], 2, r"load_step = 0 must be -1 \(the latest snapshot\)"),

@@ -9,6 +9,7 @@ closes no cycle: the cycle test sees it). The ``jobs``
 package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, ``trainer``),
 which the planner rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
 gpu_check), which may ask the planner (``gpu_check`` prints the plan beside the measured step).
+``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
 
 The design notes' "Layout" section (``docs/design.md``) must name every module file, one line
 each; the last test compares it with the tree.
@@ -47,6 +48,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jobs.retrieval",
             "jobs.convert",
             "jobs.gpu_check",
+            "jobs.stand_in",
+            "jobs.kernel_rates",
+            "jobs.evidence",
             "plan",
             "evaluate",
             "convert",
@@ -54,6 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "data_report",
         ),
     ),
+    ("integrations", ("integrations",)),
     ("package exports", ("",)),
 )
 """Lowest first. Each entry names modules relative to ``upipe_dtensor`` ("" is the package's

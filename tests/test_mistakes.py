@@ -398,7 +398,7 @@ def test_an_unreachable_hub_dataset_fails_in_seconds_naming_the_offline_switch(
 
     import datasets
 
-    def offline(name, split, streaming):  # what datasets raises at once with the switch on
+    def offline(name, config_name, *, split, streaming):  # what datasets raises at once offline
         raise ConnectionError(f"Couldn't reach {name!r} on the Hub (OfflineModeIsEnabled)")
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # offline: no probe, datasets answers

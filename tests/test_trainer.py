@@ -1,5 +1,6 @@
 """train.py's loop on CPU: cp=2 (UPipe, Ulysses, compiled) reproduces cp=1 losses; kill-and-resume
-reproduces the uninterrupted run, also when resuming with another cp degree."""
+reproduces the uninterrupted run, also when resuming with another cp degree; a token folder of
+the corpus trains and resumes as the text does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from harness import run_on_ranks
 
 from upipe_dtensor.config import parse_args
+from upipe_dtensor.data.tokenize import tokenize
 from upipe_dtensor.jobs.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
@@ -156,6 +158,20 @@ def test_kill_and_resume(tmp_path: Path, reference: list[float]) -> None:
     (dump / "checkpoint" / "step-3.partial").mkdir()  # a save that was cut off: must be ignored
     resumed = _losses(tmp_path, "second", 1, dump=dump)
     assert resumed == reference[2:]  # CPU float32 is deterministic: bit-identical
+
+
+def test_token_folder_trains_and_resumes_as_the_text(
+    tmp_path: Path, reference: list[float]
+) -> None:
+    """The corpus tokenized once (python -m upipe_dtensor.tokenize), killed in step 3 and resumed
+    from its step-2 snapshot (a position, not a replay), gives the text's losses bit for bit
+    (steps 1-2 shaped the weights that steps 3-4 report on)."""
+    tokens = tmp_path / "tokens"
+    tokenize(str(REPO / "train_configs/debug_model.toml"), [], str(tokens), workers=1)
+    data = ["--training.dataset_path", str(tokens)]
+    dump = tmp_path / "job"
+    _losses(tmp_path, "first", 1, data, kill_at=3, dump=dump)
+    assert _losses(tmp_path, "second", 1, data, dump=dump) == reference[2:]
 
 
 def test_resume_with_another_cp_degree(tmp_path: Path, reference: list[float]) -> None:

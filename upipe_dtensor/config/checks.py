@@ -223,6 +223,15 @@ def _check_data(config: JobConfig, fail) -> None:
             "Face dataset name without surrounding spaces",
             "training.dataset",
         )
+    hub_keys = ("training.dataset_config_name", "training.dataset_split")
+    if dataset == "local" and any(key in config.sources for key in hub_keys):
+        fail(
+            "[training] dataset_config_name and dataset_split choose a Hugging Face dataset's "
+            "subset and split, but dataset = 'local' reads files; remove them or set dataset to "
+            "the Hugging Face dataset's name",
+            *hub_keys,
+            "training.dataset",
+        )
     if training.sources:
         _check_sources(config, fail)
     elif dataset == "local" and not os.path.exists(training.dataset_path):

@@ -103,7 +103,8 @@ class DataSource:
     counted as it is packed: its tokens plus BOS and EOS."""
 
     path: str = ""
-    """A .txt/.jsonl/.parquet file or a folder of them (dataset_text_field names the text)."""
+    """A .txt/.jsonl/.parquet file or a folder of them (dataset_text_field names the text), or a
+    token folder (python -m upipe_dtensor.tokenize)."""
     weight: float = 1.0
     """This source's share of the mixture's tokens, relative to the others: weight / (sum of the
     weights), counted after upsampling, whatever the source's size."""
@@ -123,9 +124,15 @@ def source_label(number: int) -> str:
 class Training:
     dataset: str = "local"
     """'local' reads dataset_path; any other value is a Hugging Face dataset name (streamed)."""
+    dataset_config_name: str = ""
+    """A Hugging Face dataset's subset (its config name, load_dataset's name), e.g. 'sample-10BT'
+    of 'HuggingFaceFW/fineweb-edu'; empty: the dataset's default."""
+    dataset_split: str = "train"
+    """The split of a Hugging Face dataset to train on."""
     dataset_path: str = "assets/corpus"
-    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them (the one source when
-    there are no [[training.sources]] tables)."""
+    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them, or a token folder
+    written by python -m upipe_dtensor.tokenize (memory-mapped, not tokenized; the one source
+    when there are no [[training.sources]] tables)."""
     sources: list[DataSource] = field(default_factory=list)
     """Train on a mixture of local sources instead of dataset_path, each with its share of the
     tokens and its long documents upsampled; python -m upipe_dtensor.data_report shows it."""
