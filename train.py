@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
             )
         if error := _launcher_error(argv, config):
             raise error
-        Trainer(config).train()
+        Trainer(config, exact_tokenizer=True).train()
 
     return run_main(train)
 

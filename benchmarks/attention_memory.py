@@ -2,7 +2,7 @@
 
 UPipe's claim is that running Ulysses a few heads at a time shrinks the query-side intermediates
 (Q, the attention output and their all-to-all buffers) to about U/H of Ulysses' (see "Memory
-bound" in ``upipe_dtensor/parallel/upipe_attention.py``). The measured unit is the whole layer as
+bound" in ``upipe_dtensor/parallel/staged_attention.py``). The measured unit is the whole layer as
 the model calls it: RoPE at the shard's positions, the attention op (projections, the stage loop,
 the pre-``wo`` output buffer and ``wo``, which the op applies itself), and in backward every
 gradient (dx, dwq, dwk, dwv, dwo). Rows: UPipe at U = C and 2C, Ulysses (U = H), ring attention,
@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
-from upipe_dtensor.parallel.registry import style_spec
+from upipe_dtensor.parallel import registry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FORWARD, BACKWARD, LAYER = "bench::forward", "bench::backward", "bench::layer"
@@ -174,13 +174,13 @@ def make_style(cfg: Config, variant: Variant):
     """The row's ParallelStyle, built through the registry: its ``style`` picks the class,
     ``chunks`` the sequence chunks (a "upipe" row with chunks is UPipe x FPDT, U query heads per
     stage over chunks)."""
-    spec = style_spec(variant.style)
-    options: dict[str, Any] = {}
-    if spec.chunks != "never":
-        options["chunk_tokens"] = cfg.seq_len // variant.chunks if variant.chunks else None
-    if spec.stage_heads:
-        options["heads_per_stage"] = variant.heads_per_stage
-    return spec.make(**options)
+    spec = registry.style_spec(variant.style)
+    values: dict[str, Any] = {"cp_style": variant.style}
+    if spec.takes("fpdt_chunk_tokens"):
+        values["fpdt_chunk_tokens"] = cfg.seq_len // variant.chunks if variant.chunks else None
+    if spec.takes("heads_per_stage"):
+        values["heads_per_stage"] = variant.heads_per_stage
+    return registry.make_style(values)
 
 
 def measure(cfg: Config, variant: Variant, mesh: DeviceMesh, freqs_cis: torch.Tensor) -> Row:

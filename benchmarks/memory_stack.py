@@ -43,6 +43,7 @@ from live_memory import (
     region,
     region_memory,
 )
+from timing_overrides import TIMING_RUN
 from torch.profiler import record_function
 
 from upipe_dtensor.config import parse_args
@@ -126,10 +127,7 @@ def _job(setup: Setup, dump_folder: str, overrides: list[str]) -> list[str]:
         str(setup.batch),
         "--parallelism.context_parallel_degree",
         str(setup.cp),
-        "--checkpoint.enable",
-        "false",
-        "--metrics.enable_tensorboard",
-        "false",
+        *TIMING_RUN,
         *overrides,
     ]
 

@@ -55,12 +55,10 @@ PAPER = {
     ("32B", "fpdt"): (286.40, 217.85, 151.91, 95.88, 55.41, 38.86, 27.66, None),
     ("32B", "upipe"): (483.29, 339.56, 204.46, 113.26, 59.56, 40.42, 29.97, None),
 }
-PAPER_STACK = [  # the paper's code waits for each all-to-all (no overlapped stages), runs eager
+PAPER_STACK = [  # the paper's code runs eager
     "--parallelism.attention_backend",
     "fa3",
     "--compile.enable",
-    "false",
-    "--parallelism.overlap_stages",
     "false",
     "--activation_checkpoint.keep_attention",
     "none",
@@ -69,6 +67,9 @@ PAPER_STACK = [  # the paper's code waits for each all-to-all (no overlapped sta
     "--training.enable_cpu_offload",
     "false",
 ]
+STYLE_STACK = {  # the paper's UPipe waits for each all-to-all (no overlapped stages)
+    "upipe": ["--parallelism.overlap_stages", "false"],
+}
 TWO_D = {  # the paper's 32B layout for the head-parallel styles: 8 heads-way x a ring of 2
     "upipe": ["--parallelism.ring_degree", "2", "--parallelism.heads_per_stage", "8"],
     "ulysses": ["--parallelism.ring_degree", "2"],
@@ -94,7 +95,8 @@ def cells() -> list[tuple[str, str, str, float, Path]]:
 
 
 def predict(model: str, style: str, path: Path) -> dict:
-    overrides = PAPER_STACK + (TWO_D.get(style, []) if model == "32B" else [])
+    overrides = PAPER_STACK + STYLE_STACK.get(style, [])
+    overrides += TWO_D.get(style, []) if model == "32B" else []
     config = parse_args(["--config", str(path), *overrides])
     started = time.perf_counter()
     plan = plan_job(config)

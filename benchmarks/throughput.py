@@ -30,6 +30,9 @@ from upipe_dtensor.planning.hardware import load_profile
 from upipe_dtensor.planning.step import plan_job
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from timing_overrides import TIMING_RUN  # noqa: E402
+
 DEBUG = REPO / "train_configs/debug_model.toml"
 SEQ_LEN = 2048
 
@@ -60,8 +63,7 @@ def job_args(ranks: int, extra: list[str], out: str) -> list[str]:
         "--config", str(DEBUG),
         "--training.seq_len", str(SEQ_LEN),
         "--parallelism.context_parallel_degree", str(ranks),
-        "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false",
+        *TIMING_RUN,
         "--metrics.log_freq", "1",
         "--job.dump_folder", out,
         *extra,

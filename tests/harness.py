@@ -18,7 +18,7 @@ from torchtitan.models.llama3.model.model import Transformer
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.model import Qwen3Model
 
-from upipe_dtensor.parallel.registry import style_spec
+from upipe_dtensor.parallel import registry
 from upipe_dtensor.runtime.errors import end_process
 from upipe_dtensor.runtime.parity import (  # noqa: F401 (the tests compare as gpu_check does)
     cast_parameters,
@@ -118,20 +118,19 @@ def tiny_qwen3(
 
 
 def make_style(case: dict):
-    """The CP style a test case names, built through the registry: upipe/ulysses (1-D, or 2D
-    with "ring"), ring, fpdt (UPipe x FPDT when it has a "u"), or any registered name."""
-    name = case["style"].removesuffix("2d")
-    options = {}
+    """The CP style a test case names, made by the registry from its [parallelism] options:
+    upipe/ulysses (1-D, or 2D with "ring"), ring, fpdt (UPipe x FPDT when it has a "u"), or any
+    registered name."""
+    values = {"cp_style": case["style"].removesuffix("2d")}
     if "chunks" in case:
-        options["chunk_tokens"] = math.ceil(case["seq_len"] / case["chunks"])
+        values["fpdt_chunk_tokens"] = math.ceil(case["seq_len"] / case["chunks"])
         if case.get("u") is not None:
-            name = "upipe"  # UPipe x FPDT: head stages over sequence chunks
-    spec = style_spec(name)
-    if spec.stage_heads:
-        options["heads_per_stage"] = case.get("u")
-    if spec.overlap_stages:
-        options["overlap_stages"] = case.get("overlap", True)
-    return spec.make(**options)
+            values["cp_style"] = "upipe"  # UPipe x FPDT: head stages over sequence chunks
+    spec = registry.style_spec(values["cp_style"])
+    for key, value in (("heads_per_stage", case.get("u")), ("overlap_stages", case.get("overlap"))):
+        if spec.takes(key):
+            values[key] = value
+    return registry.make_style(values)
 
 
 def cp_mesh(case: dict, cp: int):

@@ -98,7 +98,8 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
         (
             ["--parallelism.cp_style", "ring", "--parallelism.ring_degree", "2"],
             2,
-            "'ring' is already a ring over all C ranks",
+            "cp_style 'ring': ring_degree = 2 asks for a ring axis, but this style is already a "
+            "ring over all C ranks: set ring_degree = 1",
         ),
         (
             ["--parallelism.ring_degree", "3"],
@@ -118,19 +119,20 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
         (
             ["--parallelism.fpdt_chunk_tokens", "64", "--parallelism.ring_degree", "2"],
             2,
-            "fpdt_chunk_tokens .* and ring_degree > 1 cannot be combined",
+            r"command line: .*sequence chunks \(fpdt_chunk_tokens = 64\) and a ring axis "
+            r"\(ring_degree = 2\) cannot be combined",
         ),
         (
-            [
-                "--parallelism.cp_style",
-                "ring",
-                "--parallelism.heads_per_stage",
-                "0",
-                "--parallelism.fpdt_chunk_tokens",
-                "64",
-            ],
+            ["--parallelism.cp_style", "ring", "--parallelism.fpdt_chunk_tokens", "64"],
             2,
-            "fpdt_chunk_tokens applies to cp_style 'fpdt' and 'upipe'",
+            r"fpdt_chunk_tokens does not apply to cp_style 'ring' \(an option of cp_style 'upipe' "
+            r"and 'fpdt'\); remove it",
+        ),
+        (
+            ["--parallelism.heads_per_stage", "0"],
+            2,
+            r"command line: \[parallelism\] heads_per_stage = 0 no longer means unset: leave "
+            r"heads_per_stage out for cp_style 'upipe''s default",
         ),
         (
             ["--parallelism.context_parallel_degree", "16", "--training.seq_len", "512"],
@@ -158,10 +160,21 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
         (["--training.dataset_path", "nowhere"], 2, r"dataset_path = 'nowhere' does not exist"),
         (["--training.steps", "0"], 2, r"\[training\] steps = 0 must be >= 1"),
         (["--unknown"], 2, "expected --section.key value"),
+        (
+            ["--training.dataset_split", "validation"],
+            2,
+            r"dataset_split choose a Hugging Face dataset's subset and split, but dataset = ",
+        ),
         (["--training.dataset", " "], 2, r"command line: \[training\] dataset = ' ': use 'local'"),
         (["--training.dataset", ""], 2, r"command line: \[training\] dataset = '': use 'local'"),
         (["--checkpoint.load_step", "0"], 2, r"load_step = 0 must be -1 \(the latest snapshot\)"),
         (["--job.stop_grace_seconds", "0"], 2, r"stop_grace_seconds = 0.0 must be > 0"),
+        (
+            ["--compile.enable", "true", "--compile.backend", "bogus"],
+            2,
+            r"command line: \[compile\] backend = 'bogus' is not a torch.compile backend; use one "
+            r"of \[.*'inductor'.*\] .* such as 'eager' or 'aot_eager'",
+        ),
     ],
 )
 def test_impossible_combinations(overrides: list[str], world: int, message: str) -> None:

@@ -248,6 +248,8 @@ def test_resume_refuses_another_dp_geometry(tokenizer):
 
 
 def test_hub_dataset_is_streamed(tokenizer, monkeypatch):
+    """The dataset's subset ([training] dataset_config_name, what load_dataset calls name) and
+    split reach load_dataset; the default is no subset and split "train"."""
     import datasets
 
     import upipe_dtensor.data.loader as loader_module
@@ -255,18 +257,24 @@ def test_hub_dataset_is_streamed(tokenizer, monkeypatch):
     monkeypatch.setattr(loader_module, "hub_unreachable", lambda name: "")  # as if online
     calls = []
 
-    def fake_load_dataset(name, split, streaming):
-        calls.append((name, split, streaming))
+    def fake_load_dataset(name, config_name=None, *, split, streaming):
+        calls.append((name, config_name, split, streaming))
         return [{"content": d} for d in _docs(5)]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     hub = dict(dataset="org/corpus", seq_len=8, batch_size=1)
-    loader = _loader(tokenizer, "", **hub, text_field="content", split="validation")
-    assert calls == [("org/corpus", "validation", True)]
+    loader = _loader(
+        tokenizer, "", **hub, text_field="content", split="validation", dataset_config_name="en"
+    )
+    assert calls == [("org/corpus", "en", "validation", True)]
+    assert loader.documents.description == (
+        "Hugging Face dataset 'org/corpus' subset 'en' split 'validation'"
+    )
     flat = _flat(itertools.islice(loader, 10))
     assert flat == _stream(tokenizer, _docs(5))[: len(flat)]
     with pytest.raises(ValueError, match="'org/corpus'.*example 0.*no field 'text'.*'content'"):
         next(iter(_loader(tokenizer, "", **hub)))
+    assert calls[-1] == ("org/corpus", None, "train", True)
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -348,3 +356,57 @@ def test_bad_corpus_fails_on_first_batch(tokenizer, tmp_path, case):
     loader = _loader(tokenizer, tmp_path, seq_len=64, dp_rank=rank, dp_world_size=2)
     with pytest.raises(ValueError, match=match):
         next(iter(loader))
+
+
+# --- start-up warnings ----------------------------------------------------------------------------
+
+
+def _warned(tmp_path: Path, caplog, *overrides: str, job: str = "") -> list[str]:
+    """The warnings the trainer's checks before any process group log for the debug job (cp 1,
+    one process) with these overrides, or for ``job``'s TOML extending it."""
+    from upipe_dtensor.config import parse_args
+    from upipe_dtensor.jobs.trainer import _check_before_process_group
+
+    config_file = str(ASSETS.parent / "train_configs" / "debug_model.toml")
+    if job:
+        (tmp_path / "job.toml").write_text(f'extends = "{config_file}"\n{job}')
+        config_file = str(tmp_path / "job.toml")
+    base = ["--parallelism.context_parallel_degree", "1", "--job.dump_folder", str(tmp_path)]
+    config = parse_args(["--config", config_file, *base, *overrides])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="upipe_dtensor"):
+        _check_before_process_group(config)
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_data_that_trains_badly_gets_one_startup_line_each(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(ASSETS.parent)  # the debug job names assets/ relatively
+    assert _warned(tmp_path, caplog) == []  # the Quick start's data: nothing to say
+
+    tokenizer = build_tokenizer(str(ASSETS / "tokenizer"))
+    small = _write_jsonl(tmp_path / "small.jsonl", _docs(3))
+    (line,) = _warned(tmp_path, caplog, "--training.dataset_path", str(small))
+    tokens = len(_stream(tokenizer, _docs(3)))  # the whole source is the sample: exact
+    assert f"holds {tokens} tokens per data-parallel rank (1 rank), fewer than one" in line
+    assert "seq_len + 1 = 513" in line
+
+    mixture = (
+        f'[[training.sources]]\npath = "{ASSETS / "corpus" / "stdlib_docs.jsonl"}"\n'
+        f'[[training.sources]]\npath = "{tmp_path / "more.jsonl"}"\n'
+    )
+    _write_jsonl(tmp_path / "more.jsonl", _docs(30))
+    (line,) = _warned(tmp_path, caplog, job=mixture)
+    # Half of the tokens of the debug job's 60 steps of 4 sequences of 513 tokens:
+    passes = 0.5 * 60 * 4 * 513 / len(_stream(tokenizer, _docs(30)))
+    more = f"#2 path '{tmp_path / 'more.jsonl'}'"
+    assert f"this job's 60 steps read [[training.sources]] {more} {passes:.0f} times over" in line
+    assert "#1" not in line and "times over" in line
+
+    (tmp_path / "lines").mkdir()
+    (tmp_path / "lines" / "one_per_line.txt").write_text(
+        "".join(f"item {i}: the quick brown fox jumps over the lazy dog\n" for i in range(1200))
+    )
+    lines = ["--training.dataset_path", str(tmp_path / "lines"), "--training.steps", "5"]
+    (line,) = _warned(tmp_path, caplog, *lines)
+    assert "1 .txt file of 1,000 lines or more is read as one document" in line
+    assert "one_per_line.txt (1,200 lines)" in line and "form feeds" in line

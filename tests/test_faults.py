@@ -366,3 +366,23 @@ def test_planner_rejects_bad_options_listing_valid_ones(
         plan.main(["--config", str(REPO / "train_configs/debug_model.toml"), *options])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_config_error_reaches_the_terminal_when_rank_0_starts_late(tmp_path: Path) -> None:
+    """Issue 38: torchrun stops every rank once one exits non-zero, so a line printed by rank 0
+    alone was lost whenever another rank failed first (seen 3 times in 40 launches on a loaded
+    machine). Here rank 0 starts 5 s late (``late_rank0.py``), which made the loss certain: the
+    line still reaches the terminal, once. One launch stands for every command's config and data
+    errors: all end through ``run_main`` (the three cases seen lost: test_mistakes.py)."""
+    command = _command(tmp_path / "job", ["--metrics.log_freq", "0"], 2)
+    command.insert(command.index(str(REPO / "train.py")), str(REPO / "tests/late_rank0.py"))
+    launch = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "LATE_RANK0_SECONDS": "5", "OMP_NUM_THREADS": "1"},
+    )
+    line = "config error: command line: [metrics] log_freq = 0 must be >= 1"
+    assert _failed_with(launch, 2) and launch.stderr.count(line) == 1, launch.stderr

@@ -231,6 +231,30 @@ def test_hf_to_dcp_to_hf_is_bit_exact(tmp_path: Path, hf_folder: Path) -> None:
         )
 
 
+def test_the_exported_config_loads_in_transformers_without_a_warning() -> None:
+    """Issue 38: the debug job's export said max_position_embeddings = 512 (its seq_len), below
+    its RoPE scaling's original_max_position_embeddings = 8192, and transformers warned on load."""
+    import logging
+
+    import transformers
+
+    from upipe_dtensor.models.hf_config import hf_config_for, model_args
+
+    config = parse_args(["--config", str(REPO / "train_configs/debug_model.toml")])
+    exported = hf_config_for(model_args(config.model, config.training.seq_len))
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        transformers.LlamaConfig(**exported)
+    finally:
+        logger.removeHandler(handler)
+    assert warnings == []
+    assert exported["max_position_embeddings"] == 8192 * 8  # the reach of Llama 3.1's scaling
+
+
 def test_flavor_disagreeing_with_config_json_is_a_config_error(
     tmp_path: Path, hf_folder: Path
 ) -> None:

@@ -164,38 +164,18 @@ def _slow_job(dump: Path, step_seconds: float, *extra: str) -> subprocess.Popen:
     return _start([*command, *job], SLOW_STEP_SECONDS=str(step_seconds))
 
 
-def test_ctrl_c_during_a_step_longer_than_the_grace_stops_at_once_and_twice_stops_now(
+def test_ctrl_c_twice_in_the_first_step_stops_at_once_and_once_in_a_long_step_too(
     tmp_path: Path,
 ) -> None:
-    """Under torchrun, as in a terminal. One press while a step runs whose rest outlasts the grace
-    period: no waiting, the standing snapshot named. Then a rerun resumes from it, and two presses
-    in its first step (whose length the job cannot know yet, so it waits): torchrun passes the
-    second on as SIGTERM, and the ranks stop at once."""
+    """Under torchrun, as in a terminal. Two presses in step 1 of a new run, a step longer than
+    the grace period whose length the job cannot know yet (issue 41): torchrun passes the second
+    press on as SIGTERM and the ranks stop within seconds, not after the grace. Then a rerun, and
+    one press while a step runs whose rest outlasts the grace period (its length is known from
+    the step before): no waiting, the standing snapshot named."""
     dump = tmp_path / "job"
-    snapshot = dump / "checkpoint" / "step-2"
-    job = _slow_job(dump, 4.0, "--job.stop_grace_seconds", "1")
+    job = _slow_job(dump, 40.0, "--job.stop_grace_seconds", "20")
     try:
-        _wait_for(job, "saved step-2")
-        pressed = time.monotonic()
-        _press_ctrl_c(job)
-        out, err = job.communicate(timeout=60)
-        took = time.monotonic() - pressed
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert "rank 0: SIGINT received " in err, err  # in step 3, or just before it begins
-    assert (
-        "more than [job] stop_grace_seconds = 1 s: stopped at once, without a new snapshot (the "
-        f"last good snapshot is {snapshot}; " in err
-    ), err
-    assert "rank 1: SIGINT" not in err  # one line per node
-    assert took < 15, f"one Ctrl-C during a long step took {took:.1f} s to stop"
-    assert sorted(p.name for p in snapshot.parent.iterdir()) == ["step-1", "step-2"]
-    assert _intact(snapshot)
-
-    job = _slow_job(dump, 30.0, "--job.stop_grace_seconds", "60")
-    try:
-        _wait_for(job, "training llama3 debugmodel")  # step 3 begins: 30 s long, of unknown length
+        _wait_for(job, "training llama3 debugmodel")  # step 1 begins: 40 s long
         _press_ctrl_c(job)
         time.sleep(1.5)
         pressed = time.monotonic()
@@ -205,15 +185,36 @@ def test_ctrl_c_during_a_step_longer_than_the_grace_stops_at_once_and_twice_stop
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    assert "SIGINT received: finishing this step, then saving a snapshot" in err
+    assert "SIGINT received: finishing this step, then saving a snapshot" in err, err
     assert (
         "rank 0: Ctrl-C again (torchrun passes a second Ctrl-C on as SIGTERM): stopped at once, "
-        f"without a new snapshot (the last good snapshot is {snapshot}; step 3 will be trained "
-        "again); run the same command to resume" in err
+        "without a new snapshot (no snapshot was saved yet; step 1 will be trained again); run "
+        "the same command to resume" in err
     ), err
-    assert took < 15, f"the second Ctrl-C took {took:.1f} s (the step: 30 s, the grace: 60 s)"
+    assert took < 10, f"the second Ctrl-C took {took:.1f} s (the step: 40 s, the grace: 20 s)"
     assert job.returncode == 1  # torchrun's own code after a signal, whatever the ranks return
-    assert sorted(p.name for p in snapshot.parent.iterdir()) == ["step-1", "step-2"]
+    assert not list((dump / "checkpoint").glob("step-*"))
+
+    snapshot = dump / "checkpoint" / "step-1"
+    job = _slow_job(dump, 4.0, "--job.stop_grace_seconds", "1")
+    try:
+        _wait_for(job, "saved step-1")
+        pressed = time.monotonic()
+        _press_ctrl_c(job)
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - pressed
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert "rank 0: SIGINT received " in err, err  # in step 2, or just before it begins
+    assert (
+        "more than [job] stop_grace_seconds = 1 s: stopped at once, without a new snapshot (the "
+        f"last good snapshot is {snapshot}; " in err
+    ), err
+    assert "rank 1: SIGINT" not in err  # one line per node
+    assert took < 15, f"one Ctrl-C during a long step took {took:.1f} s to stop"
+    assert sorted(p.name for p in snapshot.parent.iterdir()) == ["step-1"]
+    assert _intact(snapshot)
 
 
 def test_a_killed_rank_is_named_with_the_snapshot_that_stands(tmp_path: Path) -> None:

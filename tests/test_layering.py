@@ -1,12 +1,15 @@
 """The package's import graph: no cycles between modules, and the layers import downwards only.
 
-The graph is static (``ast`` over ``upipe_dtensor/**/*.py``): module-level and function-level
-imports both count, so a function-level import cannot hide a cycle; imports under
-``if TYPE_CHECKING:`` do not (annotations only, never run). ``LAYERS`` is the order, lowest
-first; a module may import its own layer and those below it, never one above. The ``jobs``
+The graph is static (``ast`` over ``upipe_dtensor/**/*.py``): module-level, function-level and
+type-only (``if TYPE_CHECKING:``) imports all count as edges, so neither a function-level import
+nor an annotation can hide a cycle (config/schema <-> parallel/registry hid behind one of each).
+``LAYERS`` is the order, lowest first; a module may import its own layer and those below it,
+never one above, except that an import only for annotations may name a higher layer (when it
+closes no cycle: the cycle test sees it). The ``jobs``
 package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, ``trainer``),
 which the planner rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
 gpu_check), which may ask the planner (``gpu_check`` prints the plan beside the measured step).
+``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
 
 The design notes' "Layout" section (``docs/design.md``) must name every module file, one line
 each; the last test compares it with the tree.
@@ -45,6 +48,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jobs.retrieval",
             "jobs.convert",
             "jobs.gpu_check",
+            "jobs.stand_in",
+            "jobs.kernel_rates",
+            "jobs.evidence",
             "plan",
             "evaluate",
             "convert",
@@ -52,6 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "data_report",
         ),
     ),
+    ("integrations", ("integrations",)),
     ("package exports", ("",)),
 )
 """Lowest first. Each entry names modules relative to ``upipe_dtensor`` ("" is the package's
@@ -75,41 +82,50 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imported_names(module: str, source: str, *, package: bool) -> list[tuple[str, int]]:
-    """(dotted name, line) of every import ``source`` (of ``module``, a ``package``'s
-    ``__init__`` or not) runs, at any depth, outside TYPE_CHECKING; ``from a import b`` gives
-    ``a.b`` (a module, or a name in ``a``)."""
-    names: list[tuple[str, int]] = []
+def _imported_names(module: str, source: str, *, package: bool) -> list[tuple[str, int, bool]]:
+    """(dotted name, line, only for annotations) of every import in ``source`` (of ``module``, a
+    ``package``'s ``__init__`` or not), at any depth: module level, inside functions, and under
+    ``if TYPE_CHECKING:`` (the third value True); ``from a import b`` gives ``a.b`` (a module, or
+    a name in ``a``)."""
+    names: list[tuple[str, int, bool]] = []
 
-    def visit(node: ast.AST) -> None:
+    def visit(node: ast.AST, type_only: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, True)
             for child in node.orelse:
-                visit(child)
+                visit(child, type_only)
             return
         if isinstance(node, ast.Import):
-            names.extend((alias.name, node.lineno) for alias in node.names)
+            names.extend((alias.name, node.lineno, type_only) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from the module's package, up level - 1 packages
                 parts = module.split(".") if package else module.split(".")[:-1]
                 base = ".".join(parts[: len(parts) - node.level + 1] + [node.module or ""])
             else:
                 base = node.module or ""
-            names.extend((f"{base.rstrip('.')}.{alias.name}", node.lineno) for alias in node.names)
+            names.extend(
+                (f"{base.rstrip('.')}.{alias.name}", node.lineno, type_only) for alias in node.names
+            )
         for child in ast.iter_child_nodes(node):
-            visit(child)
+            visit(child, type_only)
 
-    visit(ast.parse(source))
+    visit(ast.parse(source), False)
     return names
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {imported module of the package: first line importing it}."""
+def import_graph(*, with_type_only: bool = True) -> dict[str, dict[str, int]]:
+    """module -> {imported module of the package: first line importing it}; imports only for
+    annotations count unless ``with_type_only`` is False."""
     modules = module_files()
     graph: dict[str, dict[str, int]] = {}
     for module, path in modules.items():
         edges: dict[str, int] = {}
         source = path.read_text()
-        for name, line in _imported_names(module, source, package=path.name == "__init__.py"):
+        imported = _imported_names(module, source, package=path.name == "__init__.py")
+        for name, line, type_only in imported:
+            if type_only and not with_type_only:
+                continue
             while name and name not in modules:  # a name inside a module: the module
                 name = name.rpartition(".")[0]
             if name and name != module:
@@ -163,8 +179,9 @@ def layer_of(module: str) -> int:
 
 
 def test_graph_sees_imports() -> None:
-    """The parser finds what it must: a function-level import, a relative one, and none under
-    TYPE_CHECKING (checked on a snippet, so a parser bug cannot pass the tests below vacuously)."""
+    """The parser finds what it must: a function-level import, a relative one, and one under
+    TYPE_CHECKING, marked as such (checked on a snippet, so a parser bug cannot pass the tests
+    below vacuously)."""
     graph = import_graph()
     assert "upipe_dtensor.jobs.build" in graph["upipe_dtensor.jobs.eval_common"]
     source = (
@@ -176,10 +193,9 @@ def test_graph_sees_imports() -> None:
         "    from upipe_dtensor.kernels import probe\n"
     )
     imported = _imported_names("upipe_dtensor.config.loader", source, package=False)
-    names = [name for name, _ in imported]
-    assert "upipe_dtensor.config.schema" in names
-    assert "upipe_dtensor.kernels.probe" in names
-    assert "upipe_dtensor.jobs.build" not in names
+    assert ("upipe_dtensor.config.schema", 2, False) in imported
+    assert ("upipe_dtensor.kernels.probe", 6, False) in imported
+    assert ("upipe_dtensor.jobs.build", 4, True) in imported
 
 
 def test_no_import_cycles() -> None:
@@ -210,7 +226,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_layers_import_downwards() -> None:
-    graph = import_graph()
+    graph = import_graph(with_type_only=False)
     upward = [
         f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} "
         f"({LAYERS[layer_of(target)][0]}) at line {line}"

@@ -218,7 +218,7 @@ def test_objective_speed_keeps_the_length_and_takes_the_fastest_settings_that_fi
     assert "The fastest settings the planner finds" in report["recipe_toml"]
     saved = tmp_path / "fastest.toml"
     saved.write_text(report["recipe_toml"])
-    assert parse_args(["--config", str(saved)]).parallelism.heads_per_stage == max(
+    assert parse_args(["--config", str(saved)]).parallelism.options.heads_per_stage == max(
         speeds, key=speeds.get
     )
 
@@ -269,7 +269,7 @@ def test_knobs_follow_the_layout() -> None:
     assert list(one_node) == list(KNOB_NAMES)
     chunks, heads = one_node["sequence_chunks"], one_node["heads_per_stage"]
     assert chunks.values == (8, 4, 2, 1) and heads.values == (2, 4, 8)
-    assert chunks.apply(config, 4).parallelism.fpdt_chunk_tokens == 2048
+    assert chunks.apply(config, 4).parallelism.options.fpdt_chunk_tokens == 2048
     assert one_node["blocks_per_checkpoint"].values == (
         2,
         1,

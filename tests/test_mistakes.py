@@ -16,7 +16,9 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ from upipe_dtensor.data.loader import (
     build_tokenizer,
     documents_digest,
 )
+from upipe_dtensor.jobs.build import check_tokenizer_fits
 from upipe_dtensor.jobs.evaluate import read_tokens
 from upipe_dtensor.jobs.trainer import _described
 from upipe_dtensor.models import Llama3
@@ -189,6 +192,24 @@ def test_bad_records_are_named_before_any_process_group_or_skipped(
     assert kept[12].startswith("document 13:")
 
 
+def test_the_errors_once_lost_under_torchrun_end_as_config_errors(tmp_path, capsys) -> None:
+    """The three mistakes whose line torchrun once cut off (issue 38) end through ``run_main``,
+    whose printing under torchrun test_faults.py checks with rank 0 starting late."""
+    tokens = tmp_path / "floats.npy"
+    np.save(tokens, np.zeros((2, 64), dtype=np.float32))
+    assert _train(tmp_path, "--metrics.log_freq", "0") == 2
+    assert _train(tmp_path, "--model.flavor", "hf") == 2
+    one = ["--config", DEBUG, "--parallelism.context_parallel_degree", "1"]
+    assert evaluate.main([*one, "--tokens", str(tokens)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "config error: command line: [metrics] log_freq = 0 must be >= 1",
+        "config error: command line and train_configs/debug_model.toml: [model] flavor = 'hf' "
+        "takes the shape from config.json; set [model] hf_assets_path to the Hugging Face model "
+        "folder",
+        f"config error: --tokens {tokens}: dtype float32; token ids must be integers",
+    ]
+
+
 def test_unreadable_or_non_utf8_config_files_are_config_errors(
     tmp_path: Path, capsys, monkeypatch, one_rank
 ) -> None:
@@ -223,6 +244,33 @@ def test_unreadable_or_non_utf8_config_files_are_config_errors(
     assert not dist.is_initialized()
 
 
+def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path: Path, capsys) -> None:
+    """Issue 38: a model trained with a tokenizer smaller than its vocabulary was accepted without
+    a word (the recipes' 2,048-token stand-in for Llama3-8B's 128,256), and a larger one fails
+    only where an id runs past the embedding. train.py refuses both before any process group,
+    naming the key; padding (Qwen3: 267 rows beyond its tokens) passes."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 128256}))
+    assert _train(tmp_path, "--model.flavor", "hf", "--model.hf_assets_path", str(big)) == 2
+    assert capsys.readouterr().err.startswith(
+        "config error: train_configs/debug_model.toml and command line: [model] tokenizer_path: "
+        "the tokenizer at 'assets/tokenizer' has 2,048 tokens, but llama3 hf has 128,256 "
+        "embedding rows: 126,208 would never be trained (padding is under 1,024). Point [model] "
+        "tokenizer_path at the model's own tokenizer"
+    )
+    config = parse_args(["--config", DEBUG])
+    args = model_args(config.model, 512)  # 2,048 rows
+    for tokens, refused in ((2049, True), (2048 - 267, False), (1024, True)):
+        tokenizer = SimpleNamespace(vocab_size=tokens)
+        if refused:
+            with pytest.raises(ConfigError, match=f"has {tokens:,} tokens, "):
+                check_tokenizer_fits(config, tokenizer, args, exact=True)
+        else:
+            check_tokenizer_fits(config, tokenizer, args, exact=True)
+    check_tokenizer_fits(config, SimpleNamespace(vocab_size=1024), args, exact=False)  # planner
+
+
 def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
     tmp_path: Path, capsys, weights, one_rank
 ) -> None:
@@ -240,7 +288,9 @@ def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
     assert unloaded_hf_weights(parse_args(["--config", DEBUG])) == ""
 
 
-def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(tmp_path: Path) -> None:
+def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(
+    tmp_path: Path, capsys
+) -> None:
     """A snapshot's manifest records its model; resume, convert and evaluate compare it (their
     refusals through the real commands: tests/test_evaluate.py)."""
     config = parse_args(["--config", DEBUG])
@@ -256,7 +306,25 @@ def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(tmp_path:
         check_model_unchanged(new, config, args, rank0=True)
     assert (
         "was trained with other model settings: num_attention_heads = 2 there, 8 in this job; "
-        "head_dim = 128 there, 32 in this job. Pass the job config" in str(refused.value)
+        "head_dim = 128 there, 32 in this job. Changing num_attention_heads, head_dim makes "
+        "another model, which [checkpoint] accept_model_change does not allow (it lets only RoPE "
+        "settings change: rope_theta, rope_scaling.factor, " in str(refused.value)
+    )
+
+    # accept_model_change (issue 38) lets RoPE change, with a warning; a family or a head layout
+    # stays refused: a Qwen3 snapshot would load into Llama3 without its QK-norm weights.
+    accept = parse_args(["--config", DEBUG, "--checkpoint.accept_model_change", "true"])
+    rope = {**model_record(config, args), "rope_theta": 10000.0}
+    for record in (heads, {**model_record(config, args), "name": "qwen3"}, rope):
+        (new / "manifest.json").write_text(json.dumps({"format": 1, "model": record, "files": {}}))
+        if record is rope:
+            check_model_unchanged(new, accept, args, rank0=True)
+        else:
+            with pytest.raises(ConfigError, match="does not allow"):
+                check_model_unchanged(new, accept, args, rank0=True)
+    assert (
+        f"WARNING: snapshot {new} was trained with other model settings: rope_theta = 10000.0 "
+        "there, 500000.0 in this job; using this job's" in capsys.readouterr().err
     )
 
 
@@ -330,7 +398,7 @@ def test_an_unreachable_hub_dataset_fails_in_seconds_naming_the_offline_switch(
 
     import datasets
 
-    def offline(name, split, streaming):  # what datasets raises at once with the switch on
+    def offline(name, config_name, *, split, streaming):  # what datasets raises at once offline
         raise ConnectionError(f"Couldn't reach {name!r} on the Hub (OfflineModeIsEnabled)")
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # offline: no probe, datasets answers

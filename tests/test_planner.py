@@ -71,7 +71,7 @@ JOBS = {
         "--memory.chunked_loss",
         "true",
     ],
-    "ring": ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"],
+    "ring": ["--parallelism.cp_style", "ring"],
     # 4 chunks per rank at cp 2, 2 at cp 4: earlier K/V chunks in the host store
     "fpdt": ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "256"],
     "upipe-2d": ["--parallelism.ring_degree", "2"],  # 2 x 1 at cp 2, 2 x 2 at cp 4

@@ -16,7 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import ConfigError, check_job, parse_args
-from upipe_dtensor.jobs.build import Placement
+from upipe_dtensor.data.loader import build_tokenizer
+from upipe_dtensor.jobs.build import Placement, check_tokenizer_fits
 from upipe_dtensor.jobs.parallelize import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.memory.offload import HostOffload
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(
     p
     for p in [*(REPO / "recipes").rglob("*.toml"), *(REPO / "train_configs").glob("*.toml")]
-    if not p.stem.endswith("_base") and p.stem != "debug_model"
+    if not p.stem.endswith("_base") and p.stem not in ("debug_model", "qwen3_debug")
 )
 
 # Meta's config.json of Llama-3.1-8B, as published with its weights.
@@ -91,6 +92,35 @@ def test_recipe_table_is_complete() -> None:
             f"llama3_32b{style}_{length}" for style in ("", "_ulysses", "_ring", "_fpdt")
         } <= names
     assert {f"qwen3_{size}_{length}" for size in ("8b", "32b") for length in ("1M", "4M")} <= names
+
+
+def test_recipes_are_real_jobs() -> None:
+    """Issue 38: each recipe trains 2^30 tokens (the extensions: their own budget), saves at the
+    interval it sets (what `plan` suggests for its predicted step), and needs the model's own
+    tokenizer: the shipped 2,048-token stand-in it names is refused (``check_tokenizer_fits``).
+    Timing runs take ``benchmarks/timing_overrides.py`` instead."""
+    stand_in = build_tokenizer(str(REPO / "assets/tokenizer"))
+    recipes = [p for p in RECIPES if "recipes" in p.parts]
+    assert len(recipes) == 58
+    for recipe in recipes:
+        config = parse_args(["--config", str(recipe)])
+        training, checkpoint = config.training, config.checkpoint
+        assert checkpoint.enable and "interval" in _own_settings(recipe), recipe.stem
+        if "extend" in recipe.stem:
+            continue  # from Hugging Face weights: hf_assets_path holds the tokenizer
+        assert training.steps == round(2**30 / training.seq_len), recipe.stem  # dp 1, batch 1
+        args = model_args(config.model, training.seq_len)
+        with pytest.raises(ConfigError, match=r"\[model\] tokenizer_path: the tokenizer at"):
+            check_tokenizer_fits(config, stand_in, args, exact=True)
+
+
+def _own_settings(recipe: Path) -> str:
+    """The recipe's text with the files it extends (where its settings are written)."""
+    text = recipe.read_text()
+    for line in text.splitlines():
+        if line.startswith("extends = "):
+            return text + _own_settings(recipe.parent / line.split('"')[1])
+    return text
 
 
 # Nothing is saved (as in the planner): the start-up disk check would otherwise ask for room for a

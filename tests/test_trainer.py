@@ -1,5 +1,6 @@
 """train.py's loop on CPU: cp=2 (UPipe, Ulysses, compiled) reproduces cp=1 losses; kill-and-resume
-reproduces the uninterrupted run, also when resuming with another cp degree."""
+reproduces the uninterrupted run, also when resuming with another cp degree; a token folder of
+the corpus trains and resumes as the text does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from harness import run_on_ranks
 
 from upipe_dtensor.config import parse_args
+from upipe_dtensor.data.tokenize import tokenize
 from upipe_dtensor.jobs.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
@@ -102,7 +104,7 @@ MEMORY_STACK = [
     "--memory.chunked_loss",
     "true",
 ]
-RING = ["--parallelism.cp_style", "ring", "--parallelism.heads_per_stage", "0"]
+RING = ["--parallelism.cp_style", "ring"]
 FPDT = [
     "--parallelism.cp_style",
     "fpdt",
@@ -115,7 +117,7 @@ FPDT = [
     "extra",
     [
         [],
-        ["--parallelism.cp_style", "ulysses", "--parallelism.heads_per_stage", "0"],
+        ["--parallelism.cp_style", "ulysses"],
         ["--compile.enable", "true"],
         RING + MEMORY_STACK,
         FPDT + MEMORY_STACK + ["--compile.enable", "true"],
@@ -135,6 +137,15 @@ def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]
     assert reference[-1] < reference[0]
 
 
+def test_the_qwen3_debug_job_trains_on_two_ranks(tmp_path: Path) -> None:
+    """train_configs/qwen3_debug.toml, the Llama3 debug job's Qwen3 twin, trains on 2 CPU ranks
+    (its numbers against transformers' Qwen3: test_hf_qwen3.py)."""
+    qwen3 = ["--config", str(REPO / "train_configs/qwen3_debug.toml")]  # the last --config wins
+    assert _config(tmp_path, 2, qwen3).model.name == "qwen3"
+    losses = _losses(tmp_path, "qwen3", 2, qwen3)
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+
+
 def test_two_d_cp4_as_2x2_equals_cp1(tmp_path: Path, reference: list[float]) -> None:
     """2D UPipe on 4 ranks, (cp_ring, cp_heads) = (2, 2): the head all-to-all inside a pair, ring
     attention across the pairs, and the ring-balanced token layout through the whole trainer."""
@@ -147,6 +158,20 @@ def test_kill_and_resume(tmp_path: Path, reference: list[float]) -> None:
     (dump / "checkpoint" / "step-3.partial").mkdir()  # a save that was cut off: must be ignored
     resumed = _losses(tmp_path, "second", 1, dump=dump)
     assert resumed == reference[2:]  # CPU float32 is deterministic: bit-identical
+
+
+def test_token_folder_trains_and_resumes_as_the_text(
+    tmp_path: Path, reference: list[float]
+) -> None:
+    """The corpus tokenized once (python -m upipe_dtensor.tokenize), killed in step 3 and resumed
+    from its step-2 snapshot (a position, not a replay), gives the text's losses bit for bit
+    (steps 1-2 shaped the weights that steps 3-4 report on)."""
+    tokens = tmp_path / "tokens"
+    tokenize(str(REPO / "train_configs/debug_model.toml"), [], str(tokens), workers=1)
+    data = ["--training.dataset_path", str(tokens)]
+    dump = tmp_path / "job"
+    _losses(tmp_path, "first", 1, data, kill_at=3, dump=dump)
+    assert _losses(tmp_path, "second", 1, data, dump=dump) == reference[2:]
 
 
 def test_resume_with_another_cp_degree(tmp_path: Path, reference: list[float]) -> None:

@@ -7,8 +7,9 @@ parse_args, check_job, ConfigError``.
 
 from upipe_dtensor.config.checks import check_job
 from upipe_dtensor.config.loader import OVERRIDES_HELP, config_help, load_config, parse_args
-from upipe_dtensor.config.schema import FPDT_PAPER_CHUNK_TOKENS, ConfigError, JobConfig
+from upipe_dtensor.config.schema import ConfigError, JobConfig
 from upipe_dtensor.parallel.registry import style_names
+from upipe_dtensor.parallel.style_options import FPDT_PAPER_CHUNK_TOKENS
 
 CP_STYLES: tuple[str, ...] = style_names()
 """The built-in context-parallel styles' names (``parallel.registry.style_names()`` is the live

@@ -2,8 +2,9 @@
 
 Each check names where the offending values were set (file or command line) and a fix. The
 checks of things that live elsewhere are asked of their owners: the model shape of
-``models.hf_config``, the head geometry of ``parallel.head_schedule``, the chunk layout of
-``parallel.layouts``, the initial weights of ``checkpointing.weights``.
+``models.hf_config``, a CP style's options and their geometry of the style
+(``parallel.style_options``, through the registry), the initial weights of
+``checkpointing.weights``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import os
 from upipe_dtensor.checkpointing.weights import check_initial_load
 from upipe_dtensor.config.schema import ConfigError, JobConfig, source_label
 from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.parallel.head_schedule import make_head_schedule
-from upipe_dtensor.parallel.layouts import chunk_count
-from upipe_dtensor.parallel.registry import STYLES
+from upipe_dtensor.parallel.style_options import Geometry, OptionError
 
 
 def _check_finite(config: JobConfig, fail) -> None:
@@ -45,7 +44,6 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("training", "gradient_accumulation_steps", 1),
         ("parallelism", "context_parallel_degree", 1),
         ("parallelism", "ring_degree", 1),
-        ("parallelism", "fpdt_chunk_tokens", 0),
         ("lr_scheduler", "warmup_steps", 0),
         ("checkpoint", "interval", 1),
         ("checkpoint", "keep_latest_k", 0),
@@ -90,9 +88,22 @@ def _check_positive(config: JobConfig, fail) -> None:
         )
 
 
-def _check_context_parallel(config: JobConfig, args, fail) -> None:
-    """The CP style's geometry: ring and head axes, heads per stage, FPDT chunks."""
+_RETIRED_ZEROS = ("heads_per_stage", "fpdt_chunk_tokens")
+"""Options whose 0 once meant "unset, the style's default" (UPipe's U, FPDT's chunk); unset is
+now leaving the key out, so a 0 that is no value of the style is refused naming that."""
 
+_GEOMETRY_KEYS = {
+    "n_heads": ("model.name", "model.flavor", "model.hf_assets_path"),
+    "cp_degree": ("parallelism.context_parallel_degree",),
+    "ring_degree": ("parallelism.ring_degree",),
+    "seq_len": ("training.seq_len",),
+}
+"""The keys that set each number a style's options are checked against (``Geometry``)."""
+
+
+def _check_context_parallel(config: JobConfig, args, fail) -> None:
+    """The mesh's ring axis, and cp_style's options on the model's heads and the mesh (every rule
+    is the style's: ``parallel.style_options``)."""
     parallelism = config.parallelism
     cp, ring, style = (
         parallelism.context_parallel_degree,
@@ -108,75 +119,43 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
             "parallelism.context_parallel_degree",
         )
     spec = parallelism.style
-    if ring > 1 and not spec.ring_axis:
-        fail(
-            f"[parallelism] ring_degree = {ring} adds a ring axis to cp_style "
-            + " or ".join(repr(s.name) for s in STYLES.values() if s.ring_axis)
-            + "; "
-            f"cp_style {style!r} "
-            + ("has no ring axis" if spec.head_axis else "is already a ring over all C ranks")
-            + ": set ring_degree = 1",
-            "parallelism.ring_degree",
-            "parallelism.cp_style",
-        )
-    if parallelism.heads_per_stage and not spec.stage_heads:
-        fail(
-            f"[parallelism] heads_per_stage does not apply to cp_style {style!r}; remove it"
-            f"{spec.heads_per_stage_hint}",
-            "parallelism.heads_per_stage",
-            "parallelism.cp_style",
-        )
-    if parallelism.fpdt_chunk_tokens and spec.chunks == "never":
-        chunked = [s for s in STYLES.values() if s.chunks == "always"]
-        chunked += [s for s in STYLES.values() if s.chunks == "optional"]
-        takers = " and ".join(
-            repr(s.name) + (f" ({s.label} x FPDT)" if s.chunks == "optional" else "")
-            for s in chunked
-        )
-        fail(
-            f"[parallelism] fpdt_chunk_tokens applies to cp_style {takers}, not {style!r}; "
-            "remove it",
-            "parallelism.fpdt_chunk_tokens",
-            "parallelism.cp_style",
-        )
-    if not spec.head_axis:  # any number of heads: nothing is exchanged by head
-        return
-    if parallelism.chunk_tokens:
-        if ring > 1:
-            fail(
-                "[parallelism] fpdt_chunk_tokens (sequence chunks) and ring_degree > 1 cannot be "
-                "combined: chunk the sequence on one node, or use a ring across nodes",
-                "parallelism.fpdt_chunk_tokens",
-                "parallelism.ring_degree",
+    defaults = {f.name: f.default for f in dataclasses.fields(spec.options)}
+    for key in _RETIRED_ZEROS:
+        if parallelism.style_options.get(key) == 0 and defaults.get(key) != 0:
+            why = (
+                f"for cp_style {style!r}'s default (python train.py --help)"
+                if key in defaults
+                else f"(cp_style {style!r} does not take it; a base file's {key} does not carry "
+                "over to a file that names another cp_style)"
             )
-        try:
-            chunk_count(config.training.seq_len, cp, parallelism.chunk_tokens)
-        except ValueError as err:
             fail(
-                f"[parallelism] fpdt_chunk_tokens = {parallelism.chunk_tokens}: {err}",
-                "parallelism.fpdt_chunk_tokens",
-                "training.seq_len",
-                "parallelism.context_parallel_degree",
+                f"[parallelism] {key} = 0 no longer means unset: leave {key} out {why}",
+                f"parallelism.{key}",
             )
-    heads = parallelism.head_degree
     try:
-        make_head_schedule(
-            args.n_heads,
-            args.n_kv_heads or args.n_heads,
-            heads,
-            parallelism.stage_heads(args.n_heads),
+        options = spec.options_from(parallelism.style_options)
+    except OptionError as err:
+        fail(f"[parallelism] {err}", *(f"parallelism.{key}" for key in err.names))
+    geometry = Geometry(
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads or args.n_heads,
+        cp_degree=cp,
+        ring_degree=ring,
+        seq_len=config.training.seq_len,
+    )
+    try:
+        options.check(geometry)
+    except OptionError as err:
+        axis = (
+            f"a head axis of {parallelism.head_degree} ranks (C / ring_degree)"
+            if ring > 1
+            else f"cp degree {cp}"
         )
-    except ValueError as err:
-        axis = f"head axis of {heads} ranks (C / ring_degree)" if ring > 1 else f"cp degree {cp}"
-        fail(
-            f"[parallelism] cp_style {style!r} over a {axis}, flavor {config.model.flavor!r}: "
-            f"{err}",
-            "model.flavor",
-            "parallelism.cp_style",
-            "parallelism.heads_per_stage",
-            "parallelism.context_parallel_degree",
-            "parallelism.ring_degree",
-        )
+        on = f" over {axis}, flavor {config.model.flavor!r}" if "n_heads" in err.names else ""
+        keys = [
+            key for name in err.names for key in _GEOMETRY_KEYS.get(name, (f"parallelism.{name}",))
+        ]
+        fail(f"[parallelism] cp_style {style!r}{on}: {err}", *keys)
 
 
 def _check_sources(config: JobConfig, fail) -> None:
@@ -244,6 +223,15 @@ def _check_data(config: JobConfig, fail) -> None:
             "Face dataset name without surrounding spaces",
             "training.dataset",
         )
+    hub_keys = ("training.dataset_config_name", "training.dataset_split")
+    if dataset == "local" and any(key in config.sources for key in hub_keys):
+        fail(
+            "[training] dataset_config_name and dataset_split choose a Hugging Face dataset's "
+            "subset and split, but dataset = 'local' reads files; remove them or set dataset to "
+            "the Hugging Face dataset's name",
+            *hub_keys,
+            "training.dataset",
+        )
     if training.sources:
         _check_sources(config, fail)
     elif dataset == "local" and not os.path.exists(training.dataset_path):
@@ -251,6 +239,28 @@ def _check_data(config: JobConfig, fail) -> None:
             f"[training] dataset_path = {training.dataset_path!r} does not exist; point it at a "
             f".txt/.jsonl/.parquet file or folder, or set dataset to a Hugging Face dataset name",
             "training.dataset_path",
+        )
+
+
+def _check_compile(config: JobConfig, fail) -> None:
+    """With ``[compile] enable``, a backend torch.compile does not know would fail on every rank
+    after the model is built; ask dynamo's registry, which torch.compile itself looks names up in
+    (the backend is read only when compiling)."""
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    backend = config.compile.backend
+    if not config.compile.enable:
+        return
+    try:
+        lookup_backend(backend)
+    except InvalidBackend:
+        fail(
+            f"[compile] backend = {backend!r} is not a torch.compile backend; use one of "
+            f"{list_backends()} ('inductor', the default, generates kernels) or a debugging one "
+            "such as 'eager' or 'aot_eager' (torch._dynamo.list_backends(exclude_tags=()) lists "
+            "them all)",
+            "compile.backend",
         )
 
 
@@ -364,6 +374,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
             "parallelism.attention_backend",
             "training.attention_mask",
         )
+    _check_compile(config, fail)
     _check_data(config, fail)
     if not os.path.exists(config.model.tokenizer_folder):
         fail(

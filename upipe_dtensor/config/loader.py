@@ -4,6 +4,11 @@ against the schema, and the ``--help`` text made from the schema's field docstri
 A file may name a base file with a top-level ``extends = "base.toml"`` (relative to itself); the
 base is loaded first and the file's keys win. Every problem (unknown section or key, wrong type,
 bad TOML, a missing file) raises ``ConfigError`` naming the file, the key and a fix.
+
+A CP style's options are keys of ``[parallelism]`` declared by the style
+(``schema.StyleOptionValues``): read, typed and listed by ``--help`` like the section's own. An
+option that a base file set for its own ``cp_style`` is dropped when a file extending it names a
+style that does not take it (``_drop_other_styles_options``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,37 @@ def _sections() -> dict[str, type]:
 
 def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
+
+
+def _option_table(section_cls: type) -> str | None:
+    """The field of ``section_cls`` that holds keys declared elsewhere (a ``declarations()``
+    table: ``[parallelism]``'s style options), or None."""
+    types = _field_types(section_cls)
+    return next((f.name for f in dataclasses.fields(section_cls) if _declares(types[f.name])), None)
+
+
+def _declares(annotation: Any) -> bool:
+    return callable(getattr(annotation, "declarations", None))
+
+
+def _keys(section_cls: type) -> dict[str, Any]:
+    """A section's keys and their types: its fields, with a table of declared keys replaced by
+    those keys (each style's options, in ``[parallelism]``)."""
+    keys = _field_types(section_cls)
+    table = _option_table(section_cls)
+    if table is not None:
+        return {**{k: v for k, v in keys.items() if k != table}, **keys[table].types()}
+    return keys
+
+
+def _section(section_cls: type, values: dict[str, Any]) -> Any:
+    """The section from its keys' values, the declared keys gathered into their table."""
+    table = _option_table(section_cls)
+    if table is None:
+        return section_cls(**values)
+    declared = _field_types(section_cls)[table]
+    options = {key: values.pop(key) for key in list(values) if key in declared.types()}
+    return section_cls(**values, **{table: declared(options)})
 
 
 def _table_type(annotation: Any) -> type | None:
@@ -231,7 +267,7 @@ def _read_toml(
             )
         if not isinstance(table, dict):
             raise ConfigError(f"{shown}: '{name}' must be a [{name}] table, not a value")
-        known = _field_types(sections[name])
+        known = _keys(sections[name])
         for key, value in table.items():
             if key not in known:
                 raise ConfigError(
@@ -271,7 +307,7 @@ def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(
                 f"command line: unknown section in --{name_key}; known: {sorted(sections)}"
             )
-        known = _field_types(sections[section])
+        known = _keys(sections[section])
         if key not in known:
             raise ConfigError(
                 f"command line: unknown key --{name_key}; known keys of [{section}]: "
@@ -299,12 +335,34 @@ def load_config(config_file: str | None, overrides: list[str] | None = None) -> 
         values.setdefault(section, {}).update(table)
         sources.update({f"{section}.{key}": "command line" for key in table})
     sections = _sections()
-    return JobConfig(
-        **{name: sections[name](**values.get(name, {})) for name in sections},
+    config = JobConfig(
+        **{name: _section(sections[name], values.get(name, {})) for name in sections},
         config_file=config_file,
         sources=sources,
         files=files,
     )
+    return _drop_other_styles_options(config)
+
+
+def _drop_other_styles_options(config: JobConfig) -> JobConfig:
+    """``config`` without the style options that a base file set for its own ``cp_style`` and a
+    file extending it (or the command line) replaced with a style that does not take them: a
+    baseline recipe that extends a UPipe recipe with another style need not unset UPipe's
+    options. An option set where cp_style is set, or after it, stays (and ``check_job`` refuses
+    it if the style does not take it)."""
+    parallelism = config.parallelism
+    if "parallelism.cp_style" not in config.sources:
+        return config
+    spec = parallelism.style
+    dropped = [
+        key
+        for key in parallelism.style_options
+        if not spec.takes(key)
+        and not config.set_after(f"parallelism.{key}", "parallelism.cp_style")
+    ]
+    for key in dropped:
+        del config.sources[f"parallelism.{key}"]
+    return config.with_values({f"parallelism.{key}": None for key in dropped})
 
 
 def parse_args(argv: list[str]) -> JobConfig:
@@ -327,19 +385,21 @@ def parse_args(argv: list[str]) -> JobConfig:
 
 
 def _field_docs(section_cls: type) -> dict[str, str]:
-    """The docstring under each field of a section (Python keeps none at run time: read the
-    source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(section_cls)))
-    body = tree.body[0].body
+    """The docstring under each field of a section, its dataclass bases' included (Python keeps
+    none at run time: read the source)."""
     docs = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-        ):
-            docs[node.target.id] = " ".join(str(after.value.value).split())
+    for cls in reversed(section_cls.__mro__):
+        if not dataclasses.is_dataclass(cls):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+            ):
+                docs[node.target.id] = " ".join(str(after.value.value).split())
     return docs
 
 
@@ -351,6 +411,12 @@ def _help_lines(cls: type, prefix: str, indent: int) -> list[str]:
     pad = " " * indent
     for f in dataclasses.fields(cls):
         annotation = _field_types(cls)[f.name]
+        if _declares(annotation):
+            for heading, declaring in annotation.declarations().items():
+                lines.append(f"{pad}{heading}:")
+                own = _help_lines(declaring, prefix, indent + 2)
+                lines += own or [f"{pad}    (none of its own)"]
+            continue
         item_cls = _table_type(annotation)
         if item_cls:
             name = f"{prefix.lstrip('-')}{f.name}"

@@ -1,21 +1,22 @@
 """The job configuration's schema: one dataclass per TOML section, a docstring under each field.
 
 Section and key names follow torchtitan's ``JobConfig`` where torchtitan has them, so a torchtitan
-user reads our files without a glossary. ``--help`` prints the field docstrings. This module
-imports nothing of the project but its exceptions (``upipe_dtensor.errors``): derived values (the
-resolved heads per stage, the head-axis degree) are properties here, computed in one place for
-every reader.
+user reads our files without a glossary. ``--help`` prints the field docstrings. A CP style's own
+keys of ``[parallelism]`` (U, sequence chunks, ...) are not written here: each registered style
+declares them in its options dataclass (``parallel.style_options``), which ``[parallelism]``
+reads through the registry (``parallel.registry``), so a style's options, their defaults and
+their checks live in one place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from upipe_dtensor.parallel.registry import StyleSpec
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from upipe_dtensor.errors import ConfigError as ConfigError  # its documented home re-exports it
+from upipe_dtensor.parallel import registry
+from upipe_dtensor.parallel.style_options import OptionError, StyleOptions
 
 
 class CpStyle(str):
@@ -24,15 +25,24 @@ class CpStyle(str):
 
     @staticmethod
     def choices() -> tuple[str, ...]:
-        return _registry().style_names()
+        return registry.style_names()
 
 
-def _registry():
-    """``parallel.registry``, imported when first asked: this module imports nothing of the
-    project at import time (the registry imports the styles, and so torch)."""
-    from upipe_dtensor.parallel import registry
+class StyleOptionValues(dict[str, Any]):
+    """The ``[parallelism]`` keys that the registered styles' options declare, as a job sets
+    them (key -> value; unset keys take cp_style's defaults). The loader reads these keys as keys
+    of ``[parallelism]`` itself, typed by their declarations, and ``--help`` lists them under each
+    style (``declarations``)."""
 
-    return registry
+    @staticmethod
+    def declarations() -> dict[str, type]:
+        """Each registered style's options dataclass, under the heading ``--help`` shows."""
+        return {f"options of cp_style {n!r}": s.options for n, s in registry.STYLES.items()}
+
+    @staticmethod
+    def types() -> dict[str, Any]:
+        """Every declared key -> its type."""
+        return registry.option_types()
 
 
 @dataclass
@@ -93,7 +103,8 @@ class DataSource:
     counted as it is packed: its tokens plus BOS and EOS."""
 
     path: str = ""
-    """A .txt/.jsonl/.parquet file or a folder of them (dataset_text_field names the text)."""
+    """A .txt/.jsonl/.parquet file or a folder of them (dataset_text_field names the text), or a
+    token folder (python -m upipe_dtensor.tokenize)."""
     weight: float = 1.0
     """This source's share of the mixture's tokens, relative to the others: weight / (sum of the
     weights), counted after upsampling, whatever the source's size."""
@@ -113,9 +124,15 @@ def source_label(number: int) -> str:
 class Training:
     dataset: str = "local"
     """'local' reads dataset_path; any other value is a Hugging Face dataset name (streamed)."""
+    dataset_config_name: str = ""
+    """A Hugging Face dataset's subset (its config name, load_dataset's name), e.g. 'sample-10BT'
+    of 'HuggingFaceFW/fineweb-edu'; empty: the dataset's default."""
+    dataset_split: str = "train"
+    """The split of a Hugging Face dataset to train on."""
     dataset_path: str = "assets/corpus"
-    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them (the one source when
-    there are no [[training.sources]] tables)."""
+    """With dataset='local': a .txt/.jsonl/.parquet file or a folder of them, or a token folder
+    written by python -m upipe_dtensor.tokenize (memory-mapped, not tokenized; the one source
+    when there are no [[training.sources]] tables)."""
     sources: list[DataSource] = field(default_factory=list)
     """Train on a mixture of local sources instead of dataset_path, each with its share of the
     tokens and its long documents upsampled; python -m upipe_dtensor.data_report shows it."""
@@ -168,20 +185,10 @@ class Parallelism:
     """Context-parallel attention: UPipe (a few heads per stage), classic Ulysses (all heads),
     ring attention (K/V passed around the CP group) or FPDT (Ulysses over sequence chunks, earlier
     chunks' K/V in host memory)."""
-    heads_per_stage: int = 0
-    """UPipe's U, query heads per stage across the head axis; 0 means U = C / ring_degree."""
-    overlap_stages: bool = True
-    """upipe: start the next head stage's all-to-alls before this stage's attention and wait for
-    them just before their use (exchanges run while attention computes; one more stage's buffers
-    in flight). false waits for each exchange as it is made."""
     ring_degree: int = 1
-    """R > 1: 2D context parallelism for upipe/ulysses, a ring of R ranks (across nodes) times a
-    head axis of C / R ranks (inside a node); R divides context_parallel_degree."""
-    fpdt_chunk_tokens: int = 0
-    """Tokens per sequence chunk after the all-to-all, earlier chunks' K/V waiting in host memory.
-    fpdt: 0 means 65536, the FPDT paper's setting. upipe: 0 runs each head stage over the whole
-    sequence; a value > 0 is UPipe x FPDT, heads and sequence both chunked (the longest
-    contexts)."""
+    """R > 1: 2D context parallelism for a style with a ring axis (upipe, ulysses), a ring of R
+    ranks (across nodes) times a head axis of C / R ranks (inside a node); R divides
+    context_parallel_degree."""
     attention_backend: Literal["auto", "fa3", "fa4", "cudnn", "flash", "sdpa"] = "auto"
     """Local attention kernel: 'fa3' FlashAttention-3 (Hopper) and 'fa4' FlashAttention-4 (Hopper,
     Blackwell) through torch's flash-attention registry, 'cudnn' aten's cuDNN attention (no
@@ -192,6 +199,8 @@ class Parallelism:
     skipped). The planner traces the CUDA kernels; 'auto' plans fa3."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
+    style_options: StyleOptionValues = field(default_factory=StyleOptionValues)
+    """cp_style's own options, as [parallelism] keys (listed below by style)."""
 
     @property
     def world_size(self) -> int:
@@ -200,41 +209,38 @@ class Parallelism:
         return self.context_parallel_degree * max(self.data_parallel_shard_degree, 1)
 
     @property
-    def style(self) -> StyleSpec:
+    def style(self) -> registry.StyleSpec:
         """The registered style ``cp_style`` names (``parallel.registry``); ConfigError listing
         the registered names when it names none."""
         try:
-            return _registry().style_spec(self.cp_style)
+            return registry.style_spec(self.cp_style)
         except ValueError as err:
             raise ConfigError(f"[parallelism] {err}") from None
 
     @property
-    def head_degree(self) -> int:
-        """C_h, the ranks that exchange heads by all-to-all: C / ring_degree (1 for ring
-        attention, which has no head axis)."""
-        if not self.style.head_axis:
-            return 1
-        return self.context_parallel_degree // self.ring_degree
-
-    def stage_heads(self, n_heads: int) -> int:
-        """U resolved for a model of ``n_heads`` query heads: heads_per_stage (or C_h when 0)
-        for upipe, every head for ulysses, ring and fpdt."""
-        if self.style.stage_heads:
-            return self.heads_per_stage or self.head_degree
-        return n_heads
+    def options(self) -> StyleOptions:
+        """cp_style's options: the ones set, the style's defaults for the rest (``check_job``
+        refuses, naming the file, an option the style does not take)."""
+        try:
+            return self.style.options_from(self.style_options)
+        except OptionError as err:
+            raise ConfigError(f"[parallelism] {err}") from None
 
     @property
-    def chunk_tokens(self) -> int:
-        """The sequence chunk the style runs (0: none): fpdt_chunk_tokens as fpdt or upipe use
-        it."""
-        chunks = self.style.chunks
-        if chunks == "always":
-            return self.fpdt_chunk_tokens or FPDT_PAPER_CHUNK_TOKENS
-        return self.fpdt_chunk_tokens if chunks == "optional" else 0
+    def head_degree(self) -> int:
+        """C_h, the ranks that exchange heads by all-to-all (the options': C / ring_degree, 1 for
+        ring attention)."""
+        return self.options.head_degree(self.context_parallel_degree, self.ring_degree)
 
+    def stage_heads(self, n_heads: int) -> int:
+        """U resolved for a model of ``n_heads`` query heads (the options')."""
+        return self.options.stage_heads(n_heads, self.head_degree)
 
-FPDT_PAPER_CHUNK_TOKENS = 65536
-"""The FPDT paper's chunk for Llama3-8B on 8 GPUs (``--ds-sequence-parallel-fpdt-chunk-size``)."""
+    def with_style_options(self, **values: Any) -> Parallelism:
+        """A copy with these style options set (None: unset, the style's default)."""
+        merged = {**self.style_options, **values}
+        kept = {key: value for key, value in merged.items() if value is not None}
+        return replace(self, style_options=StyleOptionValues(kept))
 
 
 @dataclass
@@ -334,9 +340,11 @@ class Checkpoint:
     modified, or the documents already read differ): the loader continues at the saved document
     index of the data as it is now. Off: such a resume is refused, naming what changed."""
     accept_model_change: bool = False
-    """Resume, convert or evaluate a snapshot although its recorded model settings (shape,
-    vocabulary, norm epsilon, RoPE) differ from this job's: on purpose, e.g. a larger rope_theta
-    to extend the context. Off: refused, naming each differing setting."""
+    """Resume, convert or evaluate a snapshot although its recorded RoPE settings (rope_theta,
+    rope_scaling's factor, frequency band and original_max_position_embeddings) differ from this
+    job's: on purpose, e.g. a larger rope_theta or scaling factor to extend the context. The
+    family, shape, head layout, vocabulary and norm epsilon make another model and are refused
+    either way. Off: any difference is refused, naming each differing setting."""
 
 
 @dataclass
@@ -387,6 +395,27 @@ class JobConfig:
         blames where the user wrote the value (defaults are blamed on the job file)."""
         found = dict.fromkeys(self.sources[key] for key in keys if key in self.sources)
         return " and ".join(found) or self.config_file or "defaults"
+
+    def value(self, key: str) -> Any:
+        """The value of ``"section.key"``: a section's field, or a style option of
+        ``[parallelism]`` (as set, else cp_style's default)."""
+        section, name = key.split(".")
+        if section == "parallelism" and name in StyleOptionValues.types():
+            return getattr(self.parallelism.options, name, self.parallelism.style_options.get(name))
+        return getattr(getattr(self, section), name)
+
+    def with_values(self, values: Mapping[str, Any]) -> JobConfig:
+        """A copy with these ``"section.key"`` values: sections' fields, or ``[parallelism]`` style
+        options (None unsets one: the style's default)."""
+        config = self
+        for key, value in values.items():
+            section, name = key.split(".")
+            if section == "parallelism" and name in StyleOptionValues.types():
+                changed = config.parallelism.with_style_options(**{name: value})
+            else:
+                changed = replace(getattr(config, section), **{name: value})
+            config = replace(config, **{section: changed})
+        return config
 
     def set_after(self, key: str, other: str) -> bool:
         """Whether ``key`` was set where ``other`` was or after it: in the same file, in a file

@@ -7,25 +7,29 @@ that is not JSON, no text field, a text that is not a string or is blank) is fou
 with its file and line, instead of stopping the job hours later with a traceback on every rank,
 or never, if it lies past the last step.
 
+A token folder (``data.token_files``) is not read at all: its manifest holds its counts and the
+SHA-256 of its files, computed when it was written, and those stand for the files' hashes.
+
 A snapshot records the fingerprint of the data it consumed (``data_fingerprint``): the files
 (paths, sizes and the SHA-256 of their bytes) and, per data-parallel rank, how many documents of
-the epoch it had read and their SHA-256 (per source of a mixture). ``data_changes`` compares it
-with the data a resumed job finds. Files are compared by content, not by modification time: a
-copy without preserved times, a ``touch`` or a ``git checkout`` changes nothing the job reads.
+the epoch it had read and their SHA-256 (per source of a mixture; for a token folder, its
+content hash). ``data_changes`` compares it with the data a resumed job finds. Files are
+compared by content, not by modification time: a copy without preserved times, a ``touch`` or a
+``git checkout`` changes nothing the job reads.
 (Snapshots written before the content hashes record modification times; their files are
 compared by size, and the documents already read by content, as always.)
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from upipe_dtensor.config.schema import source_label
-from upipe_dtensor.data.loader import LocalDocuments, Record, documents_digest
+from upipe_dtensor.data.loader import LocalDocuments, Record, documents_digest, read_records
 from upipe_dtensor.data.mixture import MixtureDocuments, mixture_description
+from upipe_dtensor.data.token_files import TokenFolder, file_sha256, is_token_folder
 
 SHOWN = 3
 """Bad records (and changed files) named in a message; the rest are counted."""
@@ -33,6 +37,39 @@ BAD_RECORDS_FIX = (
     "fix or remove them, set [training] dataset_text_field to the field that holds the text, or "
     "set [training] skip_bad_records = true to train on the other records"
 )
+
+
+SAMPLE_CHARACTERS = 200_000
+"""Text kept from the start of each source by the scan: tokenized at start-up, it gives the
+source's tokens per character (``data.startup_warnings`` estimates its tokens from it)."""
+MANY_LINES = 1000
+"""A .txt file read as one document with at least this many lines is named in a warning: it
+may hold one document per line, which needs form feeds between documents."""
+
+
+@dataclass
+class SourceScan:
+    """One source as the scan found it: its size, for the start-up warnings."""
+
+    description: str
+    documents: int = 0
+    characters: int = 0
+    tokens: int | None = None
+    """Exact for a token folder (packed: BOS and EOS included); None for text."""
+    sample: list[str] = field(default_factory=list)
+    """The first documents' text, ``SAMPLE_CHARACTERS`` in all."""
+    sampled: int = 0
+    one_document_txt: list[tuple[str, int]] = field(default_factory=list)
+    """The .txt files read as one document of ``MANY_LINES`` or more lines, and their lines."""
+
+    def add(self, text: str) -> None:
+        """Count one good document (and sample it while the sample has room)."""
+        room = SAMPLE_CHARACTERS - self.sampled
+        self.documents += 1
+        self.characters += len(text)
+        if room > 0:
+            self.sample.append(text[:room])
+            self.sampled += len(self.sample[-1])
 
 
 @dataclass
@@ -47,6 +84,8 @@ class DataScan:
     bad: list[Record] = field(default_factory=list)
     """The first ``SHOWN`` bad records."""
     bad_count: int = 0
+    sources: list[SourceScan] = field(default_factory=list)
+    """Each source's size, in the order of [[training.sources]] (one without tables)."""
 
     def bad_summary(self) -> str:
         """The bad records in one line: how many, and the first few with file and line."""
@@ -63,30 +102,39 @@ def _relative(path: Path, root: Path) -> str:
 
 def scan_local_data(dataset_path: str, text_field: str, key: str = "dataset_path") -> DataScan:
     """Read every record of ``dataset_path`` once; ValueError if it holds no data files (naming
-    the path as ``key``)."""
+    the path as ``key``). A token folder is not read: its manifest says what it holds, and its
+    hashes are the files' fingerprint (``TokenFolder.fingerprint``)."""
+    if is_token_folder(dataset_path):
+        folder = TokenFolder.open(dataset_path, key)
+        source = SourceScan(
+            folder.description, documents=folder.documents, tokens=int(folder.manifest["tokens"])
+        )
+        files = folder.fingerprint()
+        return DataScan(folder.description, files, folder.documents, sources=[source])
     documents = LocalDocuments(dataset_path, text_field, skip_bad=True, key=key)
     root = Path(dataset_path)
+    source = SourceScan(documents.description)
     scan = DataScan(
         documents.description,
         {_relative(p, root): [p.stat().st_size, file_sha256(p)] for p in documents.files},
+        sources=[source],
     )
-    for record in documents.records():
-        scan.records += 1
-        if record.problem:
-            scan.bad_count += 1
-            if len(scan.bad) < SHOWN:
-                scan.bad.append(record)
+    for path in documents.files:
+        good, lines = 0, 0
+        for record in read_records(path, text_field):
+            scan.records += 1
+            if record.problem:
+                scan.bad_count += 1
+                if len(scan.bad) < SHOWN:
+                    scan.bad.append(record)
+                continue
+            good += 1
+            if good == 1 and path.suffix == ".txt":
+                lines = record.text.count("\n") + 1
+            source.add(record.text)
+        if path.suffix == ".txt" and good == 1 and lines >= MANY_LINES:
+            source.one_document_txt.append((_relative(path, root), lines))
     return scan
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes, read in 16 MiB pieces (the scan reads every byte anyway;
-    hashing adds about a tenth of its time)."""
-    hasher = hashlib.sha256()
-    with path.open("rb") as handle:
-        while piece := handle.read(16 * 2**20):
-            hasher.update(piece)
-    return hasher.hexdigest()
 
 
 def scan_sources(paths: list[str], text_field: str) -> DataScan:
@@ -108,6 +156,7 @@ def scan_sources(paths: list[str], text_field: str) -> DataScan:
         records=sum(scan.records for scan in scans),
         bad=[record for scan in scans for record in scan.bad][:SHOWN],
         bad_count=sum(scan.bad_count for scan in scans),
+        sources=[source for scan in scans for source in scan.sources],
     )
 
 
@@ -143,7 +192,22 @@ def file_changes(saved: dict[str, list], now: dict[str, list]) -> list[str]:
     return changes
 
 
+def _token_read_change(saved: dict[str, Any], documents) -> str:
+    """``_source_read_change`` where the snapshot or this job reads a token folder: its content
+    hash stands for the documents read (nothing is re-read)."""
+    now = documents.content_sha256 if isinstance(documents, TokenFolder) else None
+    if "content_sha256" not in saved:
+        return "the snapshot read text, and this job reads a token folder"
+    if now is None:
+        return "the snapshot read a token folder, and this job reads text"
+    if saved["content_sha256"] != now:
+        return "the token folder now holds other tokens than the one read before the snapshot"
+    return ""
+
+
 def _source_read_change(saved: dict[str, Any], documents) -> str:
+    if "content_sha256" in saved or isinstance(documents, TokenFolder):
+        return _token_read_change(saved, documents)
     count = int(saved["documents"])
     found, digest = documents_digest(documents, count)
     if found < count:

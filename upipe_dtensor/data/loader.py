@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
 import pyarrow.parquet as pq
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -47,6 +48,7 @@ from upipe_dtensor.data.mixture import (
     hash_document,
     mixture_description,
 )
+from upipe_dtensor.data.token_files import TokenFolder, TokenStream, is_token_folder
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 RECORD_FIX = (
@@ -223,6 +225,11 @@ _RECORDS: dict[str, Callable[[Path, str], Iterator[Record]]] = {
 }
 
 
+def read_records(path: Path, field: str) -> Iterator[Record]:
+    """Every record of one data file, good and bad, in order (the reader its suffix names)."""
+    return _RECORDS[path.suffix](path, field)
+
+
 def good_texts(records: Iterable[Record], skip_bad: bool) -> Iterator[str]:
     """The texts of ``records``; a bad one is skipped (``skip_bad``) or a ValueError."""
     for record in records:
@@ -271,14 +278,14 @@ class LocalDocuments:
         self.skip_bad = skip_bad
         for file in self.files:  # a wrong text_field fails now, not after hours of other files
             if file.suffix in (".jsonl", ".parquet") and not skip_bad:
-                first = next(_RECORDS[file.suffix](file, text_field), None)
+                first = next(read_records(file, text_field), None)
                 if first is not None and first.problem:
                     raise ValueError(f"{first.message}; {RECORD_FIX}")
 
     def records(self) -> Iterator[Record]:
         """Every record of every file, good and bad, in order."""
         for file in self.files:
-            yield from _RECORDS[file.suffix](file, self.text_field)
+            yield from read_records(file, self.text_field)
 
     def __iter__(self) -> Iterator[str]:
         return good_texts(self.records(), self.skip_bad)
@@ -313,27 +320,52 @@ def hub_error(name: str, why: str) -> str:
 
 class HubDocuments:
     """A Hugging Face dataset, streamed in its own order (needs network access, or a cached copy
-    with ``HF_DATASETS_OFFLINE=1``)."""
+    with ``HF_DATASETS_OFFLINE=1``): its subset ``config_name`` (what ``load_dataset`` calls
+    ``name``; "" for the dataset's default) and its ``split``."""
 
-    def __init__(self, name: str, split: str, text_field: str, *, skip_bad: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        split: str,
+        text_field: str,
+        *,
+        config_name: str = "",
+        skip_bad: bool = False,
+    ) -> None:
         if why := hub_unreachable(name):
             raise ValueError(why)
         from datasets import load_dataset  # slow to import, and only hub datasets need it
 
-        self.description = f"Hugging Face dataset {name!r} split {split!r}"
+        subset = f" subset {config_name!r}" if config_name else ""
+        self.description = f"Hugging Face dataset {name!r}{subset} split {split!r}"
         try:
-            self.dataset = load_dataset(name, split=split, streaming=True)
+            self.dataset = load_dataset(name, config_name or None, split=split, streaming=True)
         except Exception as err:  # datasets raises several kinds; each one becomes this line
             raise ValueError(hub_error(name, f"{type(err).__name__}: {err}")) from err
         self.text_field = text_field
         self.skip_bad = skip_bad
 
+    def records(self) -> Iterator[Record]:
+        """Every example as a record, good and bad, in the stream's order."""
+        for i, example in enumerate(self.dataset):
+            yield _field_record(example, self.text_field, f"{self.description} example {i}")
+
     def __iter__(self) -> Iterator[str]:
-        records = (
-            _field_record(example, self.text_field, f"{self.description} example {i}")
-            for i, example in enumerate(self.dataset)
-        )
-        return good_texts(records, self.skip_bad)
+        return good_texts(self.records(), self.skip_bad)
+
+
+Documents = LocalDocuments | HubDocuments | TokenFolder
+"""One source's documents: text files, a streamed Hugging Face dataset, or a token folder."""
+
+
+def _source_stream(documents: Documents, source: DataSource, **kwargs: Any) -> SourceStream:
+    """The stream of one source: a token folder's (checked against the job's tokenizer, read by
+    index) or text tokenized as it is read."""
+    if isinstance(documents, TokenFolder):
+        tokenizer = kwargs.pop("tokenizer")
+        documents.check_tokenizer(tokenizer)
+        return TokenStream(documents, source, **kwargs)
+    return SourceStream(documents, source, **kwargs)
 
 
 def documents_digest(documents: Iterable[str], count: int) -> tuple[int, str]:
@@ -354,9 +386,11 @@ class PackedTextLoader:
     labels = w[1:].
 
     Infinite: each source repeats in the same order, epoch after epoch. Without ``sources``, one
-    source: ``dataset_path`` for ``dataset="local"``, else the Hugging Face dataset ``dataset``.
-    With ``sources`` (local files only), their mixture (``data.mixture``): each source's share of
-    the tokens, its long documents upsampled, copies placed by ``seed``.
+    source: ``dataset_path`` for ``dataset="local"``, else the Hugging Face dataset ``dataset``
+    (its subset ``dataset_config_name`` and ``split``). With ``sources`` (local only), their
+    mixture (``data.mixture``): each source's share of the tokens, its long documents upsampled,
+    copies placed by ``seed``. A local path that is a token folder (``data.token_files``) is read
+    by memory map instead of tokenized: the same documents give the same batches.
     """
 
     def __init__(
@@ -371,6 +405,7 @@ class PackedTextLoader:
         dp_rank: int,
         dp_world_size: int,
         split: str = "train",
+        dataset_config_name: str = "",
         skip_bad_records: bool = False,
         sources: Sequence[DataSource] = (),
         seed: int = 0,
@@ -390,23 +425,28 @@ class PackedTextLoader:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.tokenizer = tokenizer
-        parts: list[LocalDocuments | HubDocuments]
         if sources:
-            parts = [
-                LocalDocuments(
-                    source.path,
-                    text_field,
-                    skip_bad=skip_bad_records,
-                    key=f"{source_label(n)} path",
-                )
-                for n, source in enumerate(sources, 1)
-            ]
+            paths = [(source, f"{source_label(n)} path") for n, source in enumerate(sources, 1)]
         elif dataset == "local":
-            parts = [LocalDocuments(dataset_path, text_field, skip_bad=skip_bad_records)]
+            paths = [(DataSource(path=dataset_path), "dataset_path")]
         else:
-            parts = [HubDocuments(dataset, split, text_field, skip_bad=skip_bad_records)]
+            paths = []
+        parts: list[Documents] = [
+            TokenFolder.open(source.path, key)
+            if is_token_folder(source.path)
+            else LocalDocuments(source.path, text_field, skip_bad=skip_bad_records, key=key)
+            for source, key in paths
+        ] or [
+            HubDocuments(
+                dataset,
+                split,
+                text_field,
+                config_name=dataset_config_name,
+                skip_bad=skip_bad_records,
+            )
+        ]
         streams = [
-            SourceStream(
+            _source_stream(
                 documents,
                 source,
                 tokenizer=tokenizer,
@@ -418,7 +458,7 @@ class PackedTextLoader:
             for number, (documents, source) in enumerate(zip(parts, sources or [DataSource()]), 1)
         ]
         self.stream: SourceStream | Mixture = streams[0] if len(streams) == 1 else Mixture(streams)
-        self.documents: LocalDocuments | HubDocuments | MixtureDocuments = (
+        self.documents: Documents | MixtureDocuments = (
             parts[0]
             if len(parts) == 1
             else MixtureDocuments(parts, mixture_description([s.path for s in sources]))
@@ -444,17 +484,18 @@ class PackedTextLoader:
                 position, tokens = next(items)
                 # min: on changed data (accept_data_change) the document may now be shorter
                 offset = min(self._offset, len(tokens)) if position == self._position else 0
-            window: list[int] = []
-            while len(window) < need:
+            pieces, have = [], 0
+            while have < need:
                 if offset == len(tokens):
                     position, tokens = next(items)
                     offset = 0
-                taken = tokens[offset : offset + need - len(window)]
-                window.extend(taken)
+                taken = tokens[offset : offset + need - have]
+                pieces.append(np.asarray(taken, dtype=np.int64))
+                have += len(taken)
                 offset += len(taken)
             self._position, self._offset = position, offset
             here = position, offset
-            rows = torch.tensor(window, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
+            rows = torch.from_numpy(np.concatenate(pieces)).view(self.batch_size, self.seq_len + 1)
             yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def read_state(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ upsampled), tokens before and after upsampling, and the mixture tokens per pass 
 (how often it repeats). Then the documents by length in log-spaced bins (powers of two): how many,
 how many appearances per pass (copies counted), and the share of the tokens they hold in the data
 as it is and in the mixture as trained. A length counts a document's tokens plus BOS and EOS, as
-they are packed; every document is read and tokenized once, in this one process.
+they are packed; every document is read and tokenized once, in this one process (a token
+folder's lengths come from its offsets).
 
 The last stdout line is one JSON object: ``{"sources": [one object per source, the table's
 columns], "lengths": [one object per bin], "png": path}``. The histogram (shares of tokens by
@@ -30,6 +31,7 @@ from upipe_dtensor.config.checks import check_training_data
 from upipe_dtensor.config.schema import DataSource, source_label
 from upipe_dtensor.data.loader import LocalDocuments, Tokenizer, job_tokenizer
 from upipe_dtensor.data.mixture import copies_of, pack_document
+from upipe_dtensor.data.token_files import TokenFolder, is_token_folder
 from upipe_dtensor.runtime.errors import run_main
 
 DATA_KEYS = (
@@ -56,13 +58,18 @@ def measure_sources(config: JobConfig, tokenizer: Tokenizer) -> list[SourceLengt
     for number, source in enumerate(training.data_sources, 1):
         key = f"{source_label(number)} path" if training.sources else "dataset_path"
         try:
-            documents = LocalDocuments(
-                source.path,
-                training.dataset_text_field,
-                skip_bad=training.skip_bad_records,
-                key=key,
-            )
-            lengths = [len(pack_document(tokenizer, text)) for text in documents]
+            if is_token_folder(source.path):  # its offsets give the lengths: nothing to tokenize
+                documents = TokenFolder.open(source.path, key)
+                documents.check_tokenizer(tokenizer)
+                lengths = documents.lengths().tolist()
+            else:
+                documents = LocalDocuments(
+                    source.path,
+                    training.dataset_text_field,
+                    skip_bad=training.skip_bad_records,
+                    key=key,
+                )
+                lengths = [len(pack_document(tokenizer, text)) for text in documents]
         except ValueError as err:
             raise ConfigError(f"{config.source_of(*DATA_KEYS)}: [training] data: {err}") from err
         if not lengths:

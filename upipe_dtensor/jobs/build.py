@@ -25,7 +25,7 @@ from upipe_dtensor.checkpointing.weights import (
 )
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.data.documents import document_ids, document_positions
-from upipe_dtensor.data.loader import job_tokenizer
+from upipe_dtensor.data.loader import Tokenizer, job_tokenizer
 from upipe_dtensor.jobs.parallelize import DTYPES, parallelize_llama
 from upipe_dtensor.jobs.setup import JobSetup, Placement, build_meshes
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
@@ -98,9 +98,46 @@ def _init_process_group(backend: str) -> None:
     dist.init_process_group(backend)
 
 
-def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetup:
-    """Check ``config`` and the tokenizer (``ConfigError``, before any process group), then set up
-    the process group and the (dp_shard, cp) meshes, as ``placement`` says."""
+PADDING_ROWS = 1024
+"""Embedding rows a model may hold beyond its tokenizer's tokens: padding to a size the GPU likes
+(Qwen3: 151,936 rows for its 151,669 tokens; Llama 3: none). More unused rows mean another
+model's tokenizer: the 2,048-token stand-in with Llama3-8B left 126,208 rows untrained."""
+
+
+def check_tokenizer_fits(
+    config: JobConfig, tokenizer: Tokenizer, args: ModelArgs, *, exact: bool
+) -> None:
+    """ConfigError naming [model] tokenizer_path when the tokenizer's ids run past the model's
+    embedding rows (any job: they would index out of range), or, with ``exact``, when the model
+    has more rows than padding beyond them: another model's tokenizer. ``exact`` is for the jobs
+    that tokenize text for this model or ship its tokenizer (train.py, ``convert --to hf``); the
+    planner, gpu_check and the tests' builds feed token ids of their own."""
+    tokens, rows = tokenizer.vocab_size, args.vocab_size
+    if tokens <= rows and (not exact or rows - tokens < PADDING_ROWS):
+        return
+    model = f"{config.model.name} {config.model.flavor}"
+    problem = (
+        f"more than the {rows:,} embedding rows of {model}: ids from {rows:,} on have none"
+        if tokens > rows
+        else f"but {model} has {rows:,} embedding rows: {rows - tokens:,} would never be trained "
+        f"(padding is under {PADDING_ROWS:,})"
+    )
+    where = config.source_of("model.tokenizer_path", "model.hf_assets_path", "model.flavor")
+    raise ConfigError(
+        f"{where}: [model] tokenizer_path: the tokenizer at {config.model.tokenizer_folder!r} has "
+        f"{tokens:,} tokens, {problem}. Point [model] tokenizer_path at the model's own "
+        "tokenizer (its Hugging Face folder holds tokenizer.json), or set [model] hf_assets_path "
+        "to that folder and tokenizer_path = ''; the shipped assets/tokenizer is the debug "
+        "models' 2,048-token stand-in"
+    )
+
+
+def set_up_job(
+    config: JobConfig, placement: Placement = Placement(), *, exact_tokenizer: bool = False
+) -> JobSetup:
+    """Check ``config`` and the tokenizer (``ConfigError``, before any process group; with
+    ``exact_tokenizer`` the tokenizer must be the model's own, ``check_tokenizer_fits``), then set
+    up the process group and the (dp_shard, cp) meshes, as ``placement`` says."""
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     )
@@ -109,12 +146,7 @@ def set_up_job(config: JobConfig, placement: Placement = Placement()) -> JobSetu
     if placement.n_layers is not None:
         args = dataclasses.replace(args, n_layers=placement.n_layers)
     tokenizer = job_tokenizer(config)
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(
-            f"{config.source_of('model.tokenizer_path', 'model.flavor')}: the tokenizer at "
-            f"{config.model.tokenizer_folder} has {tokenizer.vocab_size} tokens, more than the "
-            f"model's vocab_size {args.vocab_size} (flavor {config.model.flavor!r})"
-        )
+    check_tokenizer_fits(config, tokenizer, args, exact=exact_tokenizer)
     configure_allocator(config)
     device = placement.device or pick_device(config)
     kernel_device = placement.kernel_device or device.type

@@ -39,6 +39,8 @@ from upipe_dtensor.checkpointing.weights import (
     save_hf_weights,
 )
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, parse_args
+from upipe_dtensor.data.loader import job_tokenizer
+from upipe_dtensor.jobs.build import check_tokenizer_fits
 from upipe_dtensor.jobs.parallelize import DTYPES
 from upipe_dtensor.models import LongContextModel, family_of
 from upipe_dtensor.models.hf_config import args_from_hf, model_args, read_hf_config
@@ -70,6 +72,8 @@ def to_hf(
             f"{source} is not a DCP checkpoint (no .metadata); pass a step-N snapshot folder"
         )
     check_model_unchanged(Path(source), config, args, rank0=True)
+    if not _holds_tokenizer(config.model.hf_assets_path):  # the export ships tokenizer_path's
+        check_tokenizer_fits(config, job_tokenizer(config), args, exact=True)
     model = _empty_model(args)
     load_dcp_weights(model, source)
     kept = save_hf_weights(
@@ -82,6 +86,11 @@ def to_hf(
         overwrite=overwrite,
     )
     return f"wrote the Hugging Face model to {target}{kept_note(kept, 'convert')}"
+
+
+def _holds_tokenizer(folder: str) -> bool:
+    """Whether a Hugging Face folder ships its own tokenizer (the export copies it first)."""
+    return bool(folder) and (Path(folder) / "tokenizer.json").is_file()
 
 
 def to_dcp(source: str, target: str, *, overwrite: bool = False) -> str:

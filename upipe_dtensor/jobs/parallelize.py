@@ -36,6 +36,8 @@ from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
 from upipe_dtensor.models.long_context import ForwardPlan
 from upipe_dtensor.parallel import ContextParallelAttention
+from upipe_dtensor.parallel.registry import make_style
+from upipe_dtensor.parallel.style_options import Geometry
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -62,13 +64,20 @@ def kept_attention(setup: JobSetup) -> KeptAttention | None:
 def make_cp_style(
     setup: JobSetup, keep_attention: KeptAttention | None
 ) -> ContextParallelAttention:
-    """The configured context-parallel style (``[parallelism] cp_style``), built from the job's
-    resolved values (U, ring degree, sequence chunks, the attention backend and the device its
-    kernels are chosen for) so its layout and kernels are known at once."""
-    parallelism = setup.config.parallelism
-    return parallelism.style.build(
-        parallelism,
-        setup.args.n_heads,
+    """The configured context-parallel style (``[parallelism] cp_style`` and its options), made
+    by the registry for the job's model and mesh (so its layout is known at once) with the
+    resolved attention backend and the device its kernels are chosen for."""
+    config = setup.config
+    parallelism = config.parallelism
+    return make_style(
+        {"cp_style": parallelism.cp_style, **parallelism.style_options},
+        Geometry(
+            n_heads=setup.args.n_heads,
+            n_kv_heads=setup.args.n_kv_heads or setup.args.n_heads,
+            cp_degree=parallelism.context_parallel_degree,
+            ring_degree=parallelism.ring_degree,
+            seq_len=config.training.seq_len,
+        ),
         backend=setup.attention_backend,
         kernel_device=setup.kernel_device,
         keep_attention=keep_attention,
@@ -78,7 +87,8 @@ def make_cp_style(
 
 def describe_cp_style(parallelism: Parallelism, n_heads: int) -> str:
     """The configured attention in words, for start-up lines and plans."""
-    return parallelism.style.describe(parallelism, n_heads)
+    cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
+    return parallelism.style.describe(parallelism.options, n_heads, cp, ring)
 
 
 def keeps_attention(config: JobConfig, index: int) -> bool:

@@ -50,6 +50,7 @@ from upipe_dtensor.checkpointing.outputs import refuse_existing
 from upipe_dtensor.checkpointing.snapshots import snapshot_candidates
 from upipe_dtensor.config import ConfigError, JobConfig, parse_args
 from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, Tokenizer, job_tokenizer
+from upipe_dtensor.data.token_files import is_token_folder
 from upipe_dtensor.jobs.build import ParallelModel
 from upipe_dtensor.jobs.eval_common import load_job_model, weights_tag, write_outputs
 from upipe_dtensor.models.llama3 import IGNORE_INDEX
@@ -200,9 +201,20 @@ def haystack_documents(config: JobConfig, haystack: str | None) -> Iterable[str]
     try:
         if haystack is not None:
             return LocalDocuments(haystack, training.dataset_text_field)
+        if training.dataset == "local" and is_token_folder(training.dataset_path):
+            raise ValueError(
+                f"[training] dataset_path {training.dataset_path!r} is a token folder, and a "
+                "haystack is text: pass --haystack FILE (.txt/.jsonl/.parquet), e.g. the text it "
+                "was tokenized from"
+            )
         if training.dataset == "local":
             return LocalDocuments(training.dataset_path, training.dataset_text_field)
-        return HubDocuments(training.dataset, "train", training.dataset_text_field)
+        return HubDocuments(
+            training.dataset,
+            training.dataset_split,
+            training.dataset_text_field,
+            config_name=training.dataset_config_name,
+        )
     except ValueError as err:
         where = "--haystack" if haystack is not None else config.source_of("training.dataset_path")
         raise ConfigError(f"{where}: {err}") from err

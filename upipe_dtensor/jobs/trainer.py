@@ -8,6 +8,7 @@ over dp_shard x cp), so gradients and the logged loss equal a single-device run 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -44,6 +45,7 @@ from upipe_dtensor.data.checks import (
     scan_sources,
 )
 from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
+from upipe_dtensor.data.startup_warnings import data_warnings
 from upipe_dtensor.jobs.build import (
     JobSetup,
     Placement,
@@ -65,6 +67,8 @@ from upipe_dtensor.runtime.errors import JobError, JobStopped
 from upipe_dtensor.runtime.metrics import MetricsLogger
 from upipe_dtensor.runtime.rank_deaths import is_communication_failure, rank_processes
 from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
+
+logger = logging.getLogger(__name__)
 
 
 def lr_lambda(config: JobConfig):
@@ -95,13 +99,21 @@ class Trainer:
     the snapshot, is refused).
     """
 
-    def __init__(self, config: JobConfig, *, placement: Placement = Placement()) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        placement: Placement = Placement(),
+        exact_tokenizer: bool = False,
+    ) -> None:
         """By default the trainer picks its device (CUDA if present) and builds its meshes; the
-        memory planner decides them with ``placement`` (see ``jobs.setup.Placement``)."""
+        memory planner decides them with ``placement`` (see ``jobs.setup.Placement``).
+        ``exact_tokenizer``: the tokenizer must be the model's own (train.py: it trains on text;
+        ``build.check_tokenizer_fits``)."""
         self.config = config
         # A real job checks its data first; the planner lays out fake ranks and reads no data.
         scan = _check_before_process_group(config) if placement.meshes is None else None
-        self.setup = setup = set_up_job(config, placement)
+        self.setup = setup = set_up_job(config, placement, exact_tokenizer=exact_tokenizer)
         self.device = setup.device
         self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
         self.data_fingerprint = data_fingerprint(
@@ -418,7 +430,7 @@ def _described(config: JobConfig) -> str:
     """The job file's description for the start-up line, or the command-line overrides that
     make it untrue (a style, a model, a length)."""
     overrides = [
-        f"--{key} {getattr(getattr(config, key.split('.')[0]), key.split('.')[1])}"
+        f"--{key} {config.value(key)}"
         for key, where in config.sources.items()
         if where == "command line"
         and (key.startswith(("parallelism.", "model.")) or key == "training.seq_len")
@@ -454,6 +466,8 @@ def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
         loader = PackedTextLoader(
             dataset=training.dataset,
             dataset_path=training.dataset_path,
+            dataset_config_name=training.dataset_config_name,
+            split=training.dataset_split,
             text_field=training.dataset_text_field,
             tokenizer=setup.tokenizer,
             seq_len=training.seq_len,
@@ -468,9 +482,12 @@ def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
     except ValueError as err:
         keys = (
             "training.dataset",
+            "training.dataset_config_name",
+            "training.dataset_split",
             "training.dataset_path",
             "training.dataset_text_field",
             "training.sources",
+            "model.tokenizer_path",
         )
         raise ConfigError(f"{config.source_of(*keys)}: [training] data: {err}") from err
     return loader
@@ -482,7 +499,7 @@ def _check_before_process_group(config: JobConfig) -> DataScan | None:
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     )
-    check_job(config, world_size)
+    dp = check_job(config, world_size)
     if config.checkpoint.last_save_in_hf:
         folder = Path(config.job.dump_folder) / config.checkpoint.folder
         refuse_nonempty(
@@ -491,7 +508,7 @@ def _check_before_process_group(config: JobConfig) -> DataScan | None:
             "not write: move it away, or set [checkpoint] last_save_in_hf = false",
         )
     _check_initial_weights(config)
-    return _check_data(config)
+    return _check_data(config, dp)
 
 
 def _check_initial_weights(config: JobConfig) -> None:
@@ -506,10 +523,12 @@ def _check_initial_weights(config: JobConfig) -> None:
         raise ConfigError(f"{config.source_of(*keys)}: {why}")
 
 
-def _check_data(config: JobConfig) -> DataScan | None:
+def _check_data(config: JobConfig, dp: int) -> DataScan | None:
     """Every record of the local training data, read once: bad records are a ConfigError naming
     the first few by file and line, or, with [training] skip_bad_records, skipped and counted in
-    a warning. A Hugging Face dataset is only probed: an unreachable Hub fails in seconds."""
+    a warning; data that will train badly gets a warning line (``data.startup_warnings``). A
+    token folder is not read (its manifest stands for it). A Hugging Face dataset is only
+    probed: an unreachable Hub fails in seconds."""
     training = config.training
     where = config.source_of(
         "training.dataset",
@@ -527,12 +546,19 @@ def _check_data(config: JobConfig) -> DataScan | None:
         raise ConfigError(f"{where}: [training] data: {err}") from err
     if scan.bad_count and not training.skip_bad_records:
         raise ConfigError(f"{where}: [training] data: {scan.bad_summary()}; {BAD_RECORDS_FIX}")
-    if scan.bad_count and os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") != "0":
+        return scan
+    if scan.bad_count:
         print(
             f"WARNING: skipping {scan.bad_summary()} ([training] skip_bad_records = true)",
             file=sys.stderr,
             flush=True,
         )
+    try:
+        for line in data_warnings(config, scan, dp):
+            logger.warning(line)
+    except ValueError as err:  # the tokenizer, which every rank reports after set-up
+        logger.debug("no data warnings: %s", err)
     return scan
 
 

@@ -157,7 +157,11 @@ def hf_shape_mismatch(args: ModelArgs, config: dict[str, Any]) -> str:
 def hf_config_for(args: ModelArgs, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` for ``args``: ``base`` (the source checkpoint's, to keep its token ids
     and other fields) with the shape and RoPE of ``args`` written over it. Embeddings are untied:
-    the trained model has its own output layer."""
+    the trained model has its own output layer. ``max_position_embeddings`` is the longest of the
+    source's, the training length and the length the RoPE scaling stretches to (original x
+    factor): transformers requires it above ``original_max_position_embeddings`` (it warns on
+    load otherwise), and a model trained on 512 tokens with Llama 3.1's scaling keeps that
+    scaling's reach."""
     scaling, family = args.rope_scaling_args, family_of(args)
     config = dict(base or {})
     config.pop("rope_parameters", None)  # replaced by rope_theta + rope_scaling below
@@ -186,6 +190,8 @@ def hf_config_for(args: ModelArgs, base: dict[str, Any] | None = None) -> dict[s
         }
     )
     config["max_position_embeddings"] = max(
-        config.get("max_position_embeddings", 0), args.max_seq_len
+        config.get("max_position_embeddings", 0),
+        args.max_seq_len,
+        int(scaling.original_max_position_embeddings * scaling.scaling_factor),
     )
     return config

@@ -1,5 +1,9 @@
 """Context-parallel attention: the ParallelStyles (``style``) and the ops they run.
 
+``style_options`` holds each style's options (its ``[parallelism]`` keys, their one check and
+what they derive), ``registry`` the styles by ``cp_style`` name and ``make_style``, which turns a
+name and option values into the checked style.
+
 ``layouts`` says which tokens a rank holds, ``head_schedule`` which heads each UPipe stage moves;
 ``all_to_all`` is the sequence <-> head exchange, ``projections`` a stage's Q/K/V through it,
 ``ring`` the ring attention; ``staged_attention`` (UPipe, Ulysses, ring, 2D) and

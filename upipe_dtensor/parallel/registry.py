@@ -1,18 +1,23 @@
 """The context-parallel styles by ``[parallelism] cp_style`` name: one table that the config
-checks, ``parallelize``, the planner, ``gpu_check``, the tests and the benchmarks read, so a new
-style is one ``register_style`` call instead of a string matched in ten modules.
+loader, its checks and ``--help``, ``parallelize``, the planner, ``gpu_check``, the tests and the
+benchmarks read, so a new style is one ``register_style`` call instead of a string matched in ten
+modules.
 
-A ``StyleSpec`` says which class runs the style, which of the shared options it takes (heads per
-stage, a ring axis, sequence chunks, overlapped stages) and how it names itself; everything else
-(the constructor from a job's settings, the head-axis degree, the start-up text) follows from
-those facts. The built-ins are UPipe (2D on a ring axis, UPipe x FPDT with sequence chunks),
-Ulysses, ring attention and FPDT.
+A ``StyleSpec`` names the class that runs a style and how start-up lines call it; the class
+declares its options (``Options``, a ``parallel.style_options`` dataclass: the style's own
+``[parallelism]`` keys with their types, defaults and meanings, one check, the derived values).
+``make_style`` turns a ``cp_style`` and option values by those names into the checked style: the
+entry point of the trainer and of a torchtitan plug-in alike. The built-ins are UPipe (2D on a
+ring axis, UPipe x FPDT with sequence chunks), Ulysses, ring attention and FPDT.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any
 
 import torch
 
@@ -24,102 +29,49 @@ from upipe_dtensor.parallel.style import (
     UlyssesAttention,
     UPipeAttention,
 )
-
-if TYPE_CHECKING:  # config imports this module; a runtime import back would be a cycle
-    from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.parallel.style_options import Geometry, OptionError, StyleOptions
 
 
 @dataclass(frozen=True)
 class StyleSpec:
-    """One context-parallel style: its class and the options and axes it has."""
+    """One context-parallel style: its name, the class that runs it (which declares its
+    options) and its label."""
 
     name: str
     """The ``[parallelism] cp_style`` value."""
     style: type[ContextParallelAttention]
     label: str
-    """How start-up lines and plans name it ("Ulysses"); UPipe adds its U."""
-    head_axis: bool = True
-    """Exchanges heads by all-to-all over C / ring_degree ranks; False: a ring over all C ranks
-    (nothing exchanged by head, any number of heads)."""
-    ring_axis: bool = False
-    """Takes ``ring_degree`` > 1: a ring across nodes times a head axis inside one (2D)."""
-    stage_heads: bool = False
-    """Takes ``heads_per_stage`` (UPipe's U); otherwise every head runs in one stage."""
-    overlap_stages: bool = False
-    """Takes ``overlap_stages``: the next stage's exchanges fly during this stage's attention."""
-    chunks: Literal["never", "optional", "always"] = "never"
-    """Sequence chunks with earlier K/V in host memory: none, on request (``fpdt_chunk_tokens``
-    > 0, "x FPDT"), or always (``Parallelism.chunk_tokens`` resolves 0 to the FPDT paper's)."""
-    heads_per_stage_hint: str = ""
-    """Appended to the error for a heads_per_stage this style does not take."""
+    """How start-up lines and plans name it ("Ulysses"); the options add their values."""
 
-    def make(
-        self,
-        *,
-        heads_per_stage: int | None = None,
-        ring_degree: int | None = None,
-        chunk_tokens: int | None = None,
-        overlap_stages: bool = True,
-        backend: str = "auto",
-        kernel_device: str | None = None,
-        keep_attention: KeptAttention | None = None,
-        host_device: torch.device = torch.device("cpu"),
-    ) -> ContextParallelAttention:
-        """The style with the options it takes; an option it does not take must be left unset
-        (ValueError), so a caller never believes a setting ran that did not."""
-        given = {
-            "heads_per_stage": (heads_per_stage, heads_per_stage is not None, self.stage_heads),
-            "ring_degree": (ring_degree, ring_degree not in (None, 1), self.ring_axis),
-            "chunk_tokens": (chunk_tokens, chunk_tokens is not None, self.chunks != "never"),
-            "overlap_stages": (overlap_stages, not overlap_stages, self.overlap_stages),
-        }
-        refused = [key for key, (_, set_, taken) in given.items() if set_ and not taken]
-        if refused:
-            raise ValueError(f"cp style {self.name!r} does not take {', '.join(refused)}")
-        if self.chunks == "always" and chunk_tokens is None:
-            raise ValueError(f"cp style {self.name!r} runs in sequence chunks: pass chunk_tokens")
-        options = {key: value for key, (value, _, taken) in given.items() if taken}
-        if self.chunks != "never":
-            options["host_device"] = host_device
-        return self.style(
-            **options, backend=backend, kernel_device=kernel_device, keep_attention=keep_attention
-        )
+    @property
+    def options(self) -> type[StyleOptions]:
+        """The style's options dataclass (``style.Options``)."""
+        return self.style.Options
 
-    def build(
-        self,
-        parallelism: Parallelism,
-        n_heads: int,
-        *,
-        backend: str,
-        kernel_device: str | None,
-        keep_attention: KeptAttention | None,
-        host_device: torch.device,
-    ) -> ContextParallelAttention:
-        """The style a job's ``[parallelism]`` asks for, from its resolved values (U, ring degree,
-        sequence chunks), so its layout and kernels are known at once."""
-        return self.make(
-            heads_per_stage=parallelism.stage_heads(n_heads) if self.stage_heads else None,
-            ring_degree=parallelism.ring_degree if self.ring_axis else None,
-            chunk_tokens=parallelism.chunk_tokens or None,
-            overlap_stages=parallelism.overlap_stages if self.overlap_stages else True,
-            backend=backend,
-            kernel_device=kernel_device,
-            keep_attention=keep_attention,
-            host_device=host_device,
-        )
+    def takes(self, key: str) -> bool:
+        """Whether ``key`` is one of the style's options."""
+        return any(f.name == key for f in dataclasses.fields(self.options))
 
-    def describe(self, parallelism: Parallelism, n_heads: int) -> str:
+    def options_from(self, values: Mapping[str, Any]) -> StyleOptions:
+        """The style's options from ``values`` by key, unset (None) ones at their defaults;
+        ``OptionError`` for a key the style does not take, naming the styles that take it."""
+        for key, value in values.items():
+            if value is not None and not self.takes(key):
+                takers = [repr(s.name) for s in STYLES.values() if s.takes(key)]
+                owner = f"an option of cp_style {' and '.join(takers)}" if takers else "no option"
+                hint = self.options.refusal_hints.get(key)
+                raise OptionError(
+                    f"{key} does not apply to cp_style {self.name!r} ({owner}); remove it"
+                    + (f" ({hint})" if hint else ""),
+                    key,
+                )
+        return self.options(**{key: value for key, value in values.items() if value is not None})
+
+    def describe(
+        self, options: StyleOptions, n_heads: int, cp_degree: int, ring_degree: int = 1
+    ) -> str:
         """The configured attention in words, for start-up lines and plans."""
-        text = self.label
-        if self.stage_heads:
-            text += f" (U = {parallelism.stage_heads(n_heads)})"
-        if parallelism.chunk_tokens:
-            fpdt = "x FPDT " if self.chunks == "optional" else ""
-            text += f" {fpdt}in sequence chunks of {parallelism.chunk_tokens:,} tokens"
-        ring, heads = parallelism.ring_degree, parallelism.head_degree
-        if ring > 1:
-            text += f" on a ring of {ring} x {heads} head ranks"
-        return text
+        return self.label + options.describe(n_heads, cp_degree, ring_degree)
 
 
 STYLES: dict[str, StyleSpec] = {}
@@ -127,10 +79,18 @@ STYLES: dict[str, StyleSpec] = {}
 
 
 def register_style(spec: StyleSpec) -> StyleSpec:
-    """Add ``spec`` to the table: config files, the trainer and the planner then accept its
-    name."""
+    """Add ``spec`` to the table: config files, ``--help``, the trainer and the planner then
+    accept its name and its options. An option key another style also declares must have the same
+    type there (one key, one type in ``[parallelism]``)."""
     if spec.name in STYLES:
         raise ValueError(f"cp style {spec.name!r} is already registered")
+    known = option_types()
+    for key, kind in typing.get_type_hints(spec.options).items():
+        if spec.takes(key) and known.get(key, kind) != kind:
+            raise ValueError(
+                f"cp style {spec.name!r} declares option {key} as {kind}, another style as "
+                f"{known[key]}: one [parallelism] key has one type; rename it or match the type"
+            )
     STYLES[spec.name] = spec
     return spec
 
@@ -147,26 +107,67 @@ def style_spec(name: str) -> StyleSpec:
     return STYLES[name]
 
 
-register_style(
-    StyleSpec(
-        "upipe",
-        UPipeAttention,
-        "UPipe",
-        ring_axis=True,
-        stage_heads=True,
-        overlap_stages=True,
-        chunks="optional",
+def option_types() -> dict[str, Any]:
+    """Every registered style's option key -> its type, in registration order."""
+    types: dict[str, Any] = {}
+    for spec in STYLES.values():
+        hints = typing.get_type_hints(spec.options)
+        types.update({f.name: hints[f.name] for f in dataclasses.fields(spec.options)})
+    return types
+
+
+def make_style(
+    values: Mapping[str, Any] | object,
+    geometry: Geometry = Geometry(),
+    *,
+    backend: str = "auto",
+    kernel_device: str | None = None,
+    keep_attention: KeptAttention | None = None,
+    host_device: torch.device = torch.device("cpu"),
+) -> ContextParallelAttention:
+    """The style ``values`` names, checked: ``cp_style`` and that style's options by their
+    ``[parallelism]`` names, from a mapping (any other key is refused) or a namespace such as a
+    torchtitan job-config section (its attributes of those names are read). Unset (None) options
+    take the style's defaults; every rule of the options is checked on ``geometry`` as far as it
+    is given (``geometry.ring_degree``, when given, is the ring axis the style is made for, and
+    ``parallelize_module`` checks the real module and mesh again). ``OptionError`` (a
+    ValueError) names the numbers, the keys at fault and a fix.
+
+    The trainer (``jobs.parallelize``) builds its style here, and so can a torchtitan plug-in
+    from its own options: ``make_style({"cp_style": "upipe", "heads_per_stage": 8},
+    Geometry(n_heads=32, n_kv_heads=8, cp_degree=8))``.
+    """
+    keys = ("cp_style", *option_types())
+    if isinstance(values, Mapping):
+        unknown = sorted(set(values) - set(keys))
+        if unknown:
+            raise OptionError(
+                f"{', '.join(unknown)}: not a style option; the keys are cp_style and the "
+                f"registered styles' options {list(keys[1:])}",
+                *unknown,
+            )
+        given = dict(values)
+    else:
+        given = {key: getattr(values, key) for key in keys if hasattr(values, key)}
+    if given.get("cp_style") is None:
+        raise OptionError(f"name the style: cp_style, one of {list(STYLES)}", "cp_style")
+    try:
+        spec = style_spec(given.pop("cp_style"))
+    except ValueError as err:
+        raise OptionError(str(err), "cp_style") from None
+    options = spec.options_from(given)
+    options.check(geometry)
+    return spec.style.from_options(
+        options,
+        ring_degree=geometry.ring_degree,
+        host_device=host_device,
+        backend=backend,
+        kernel_device=kernel_device,
+        keep_attention=keep_attention,
     )
-)
-register_style(StyleSpec("ulysses", UlyssesAttention, "Ulysses", ring_axis=True))
-register_style(StyleSpec("ring", RingAttention, "ring attention", head_axis=False))
-register_style(
-    StyleSpec(
-        "fpdt",
-        FPDTAttention,
-        "FPDT",
-        chunks="always",
-        heads_per_stage_hint=" (FPDT runs all heads per chunk, as published; for UPipe x FPDT use "
-        "cp_style = 'upipe' with fpdt_chunk_tokens > 0)",
-    )
-)
+
+
+register_style(StyleSpec("upipe", UPipeAttention, "UPipe"))
+register_style(StyleSpec("ulysses", UlyssesAttention, "Ulysses"))
+register_style(StyleSpec("ring", RingAttention, "ring attention"))
+register_style(StyleSpec("fpdt", FPDTAttention, "FPDT"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +34,6 @@ from upipe_dtensor.parallel.attention_kinds import (
 )
 from upipe_dtensor.parallel.attention_op import AttentionParams
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
-from upipe_dtensor.parallel.head_schedule import make_head_schedule
 from upipe_dtensor.parallel.layouts import (
     chunk_count,
     chunked_positions,
@@ -41,6 +41,14 @@ from upipe_dtensor.parallel.layouts import (
     two_d_positions,
 )
 from upipe_dtensor.parallel.staged_attention import staged_attention
+from upipe_dtensor.parallel.style_options import (
+    FPDTOptions,
+    Geometry,
+    RingOptions,
+    StyleOptions,
+    UlyssesOptions,
+    UPipeOptions,
+)
 from upipe_dtensor.runtime.host_store import HostMemory
 
 
@@ -71,9 +79,14 @@ class ContextParallelAttention(ParallelStyle):
     """The base of every context-parallel attention style: module checks, the mesh, positions,
     RoPE and documents. Annotate with this type where any CP style will do.
 
-    Subclasses say how the mesh maps to head and ring axes (``_axes``), which tokens a rank holds
-    (``shard_positions``) and which op runs the attention (``_attend``).
+    Subclasses declare their options (``Options``, a ``parallel.style_options`` dataclass: the
+    style's ``[parallelism]`` keys, checked in one function), and say how the mesh maps to head
+    and ring axes (``_axes``), which tokens a rank holds (``shard_positions``) and which op runs
+    the attention (``_attend``).
     """
+
+    Options: ClassVar[type[StyleOptions]] = StyleOptions
+    """The options dataclass this style declares; ``options`` holds this instance's."""
 
     def __init__(
         self,
@@ -82,7 +95,56 @@ class ContextParallelAttention(ParallelStyle):
         kernel_device: str | None = None,
         keep_attention: KeptAttention | None = None,
     ) -> None:
+        self._configure(
+            self.Options(),
+            backend=backend,
+            kernel_device=kernel_device,
+            keep_attention=keep_attention,
+        )
+
+    @classmethod
+    def from_options(
+        cls,
+        options: StyleOptions,
+        *,
+        ring_degree: int | None = None,
+        host_device: torch.device = torch.device("cpu"),
+        backend: str = "auto",
+        kernel_device: str | None = None,
+        keep_attention: KeptAttention | None = None,
+    ) -> ContextParallelAttention:
+        """The style with ``options`` (its ``Options``, e.g. from a job's ``[parallelism]``), as
+        its constructor makes it from the same values in their Python spelling (the registry's
+        ``make_style`` builds every style this way)."""
+        if type(options) is not cls.Options:
+            raise TypeError(f"{cls.__name__} takes {cls.Options.__name__}, got {options!r}")
+        style = cls.__new__(cls)
+        style._configure(
+            options,
+            ring_degree=ring_degree,
+            host_device=host_device,
+            backend=backend,
+            kernel_device=kernel_device,
+            keep_attention=keep_attention,
+        )
+        return style
+
+    def _configure(
+        self,
+        options: StyleOptions,
+        *,
+        ring_degree: int | None = None,
+        host_device: torch.device = torch.device("cpu"),
+        backend: str,
+        kernel_device: str | None,
+        keep_attention: KeptAttention | None,
+    ) -> None:
+        """What every constructor sets: the options, checked as far as they can be before a
+        model and a mesh exist, and the kernels' settings. ``ring_degree`` and ``host_device``
+        are for the styles with a ring axis or sequence chunks (``UPipeAttention``)."""
         super().__init__()
+        options.check(Geometry(ring_degree=ring_degree))
+        self.options = options
         self.kept = keep_attention
         """Where each layer's attention output and LSE wait for backward's recompute (None:
         recomputed; ``memory.kept_attention``)."""
@@ -93,7 +155,7 @@ class ContextParallelAttention(ParallelStyle):
         """The device type the kernels are chosen for (None: the tensors' own device). The trainer
         passes its device; the memory planner "cuda", tracing the CUDA kernels on fake tensors."""
         self._applied_axes: _Axes | None = None
-        """Per-apply state, not a setting: this rank's axes on the mesh last applied to (the
+        """Per-apply state, not a setting: this rank's axes on the mesh it is applied to (the
         constructor's arguments are never changed by ``parallelize_module``)."""
 
     def __repr__(self) -> str:
@@ -106,8 +168,11 @@ class ContextParallelAttention(ParallelStyle):
         return f"{type(self).__name__}({', '.join(shown)})"
 
     def _argument(self, name: str) -> object:
-        """The value the constructor's argument ``name`` was stored as."""
-        return self.kept if name == "keep_attention" else getattr(self, name)
+        """The value of the constructor's argument ``name``: an option's (its Python spelling, e.g.
+        ``chunk_tokens``), or the kernels' settings."""
+        if name == "keep_attention":
+            return self.kept
+        return getattr(self.options, name) if hasattr(self.options, name) else getattr(self, name)
 
     @property
     def applied_axes(self) -> _Axes | None:
@@ -146,10 +211,6 @@ class ContextParallelAttention(ParallelStyle):
         _require_mesh_dims(self, mesh, (1,))
         return _Axes(_group_name(mesh, 0), mesh.size(), "", 1, mesh.get_local_rank())
 
-    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
-        """U, the query heads of one stage across the head axis."""
-        return n_heads
-
     def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
         """The attention op's plain values for this module on these axes."""
         kind = attention_kind(module)
@@ -160,7 +221,7 @@ class ContextParallelAttention(ParallelStyle):
             ring_group=axes.ring_group,
             ring_degree=axes.ring_degree,
             head_dim=module.head_dim,
-            heads_per_stage=self._stage_heads(module.n_heads, axes.head_degree),
+            heads_per_stage=self.options.stage_heads(module.n_heads, axes.head_degree),
             scale=module.head_dim**-0.5,
             rope_pairs=kind.rope_pairs,
             qk_transform=transform,
@@ -180,11 +241,21 @@ class ContextParallelAttention(ParallelStyle):
         if self.kernel_device == "cuda" or self.backend in CUDA_BACKENDS:
             check_kernel_limits("sdpa" if self.backend == "auto" else self.backend, module.head_dim)
         axes = self._axes(device_mesh)
-        make_head_schedule(  # the geometry, checked before any forward
-            module.n_heads,
-            module.n_kv_heads,
-            axes.head_degree,
-            self._stage_heads(module.n_heads, axes.head_degree),
+        applied = self._applied_axes
+        if applied not in (None, axes):
+            raise ValueError(
+                f"{self!r} is applied to a mesh already (rank {applied.cp_rank} of "
+                f"{applied.cp_degree}, ring degree {applied.ring_degree}), and its "
+                "shard_positions and shard_rope answer for that mesh; construct another style for "
+                f"{device_mesh.mesh_dim_names} (rank {axes.cp_rank} of {axes.cp_degree})"
+            )
+        self.options.check(  # the geometry, checked before any forward
+            Geometry(
+                n_heads=module.n_heads,
+                n_kv_heads=module.n_kv_heads,
+                cp_degree=axes.cp_degree,
+                ring_degree=device_mesh.size(0) if device_mesh.ndim == 2 else 1,  # 2D's ring axis
+            )
         )
         module.cp_style, module.cp_axes = self, _AXES.setdefault(axes, axes)
         module.__class__ = _context_parallel_class(type(module))
@@ -223,14 +294,15 @@ class UPipeAttention(ContextParallelAttention):
 
     Keyword Args:
         heads_per_stage (int, optional): U, the query heads exchanged per stage, across the head
-            axis. A multiple of the head-axis degree that divides n_heads. ``None`` means U = the
-            head-axis degree: one head per rank per stage, the smallest attention memory.
+            axis. A multiple of the head-axis degree that divides n_heads. ``None`` takes the
+            default U of ``parallel.style_options.UPipeOptions``, which says what it is.
             U = n_heads is classic Ulysses.
         ring_degree (int, optional): R, the ring axis of the mesh this style will be applied to
             (1 for a 1-D mesh). ``None`` takes it from the mesh at ``parallelize_module``; until
             then ``shard_positions`` cannot know the layout and raises.
         chunk_tokens (int, optional): tokens per global sequence chunk (after the all-to-all);
-            ``None`` runs each stage over the whole sequence.
+            ``None`` runs each stage over the whole sequence (``[parallelism]
+            fpdt_chunk_tokens``, where 0 does).
         keep_attention (KeptAttention, optional): keep each layer's attention output and LSE
             from forward (on the device or the host) so that a checkpointed block's recompute
             skips the attention (``memory.kept_attention``); None recomputes it. Every style.
@@ -256,6 +328,8 @@ class UPipeAttention(ContextParallelAttention):
         >>> logits_shard = model(tokens[:, rank * s_local : (rank + 1) * s_local])
     """
 
+    Options = UPipeOptions
+
     def __init__(
         self,
         *,
@@ -268,24 +342,35 @@ class UPipeAttention(ContextParallelAttention):
         keep_attention: KeptAttention | None = None,
         host_device: torch.device = torch.device("cpu"),
     ) -> None:
-        super().__init__(
-            backend=backend, kernel_device=kernel_device, keep_attention=keep_attention
+        self._configure(
+            UPipeOptions(
+                heads_per_stage=heads_per_stage,
+                fpdt_chunk_tokens=_chunk_option(chunk_tokens),
+                overlap_stages=overlap_stages,
+            ),
+            ring_degree=ring_degree,
+            host_device=host_device,
+            backend=backend,
+            kernel_device=kernel_device,
+            keep_attention=keep_attention,
         )
-        self.overlap_stages = overlap_stages
-        if chunk_tokens is not None and chunk_tokens < 1:
-            raise ValueError(
-                f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}"
-            )
-        if chunk_tokens is not None and (ring_degree or 1) > 1:
-            raise ValueError(
-                f"chunk_tokens (sequence chunks) and ring_degree = {ring_degree} cannot be "
-                "combined: "
-                "chunk the sequence on one node, or use a ring across nodes"
-            )
-        self.heads_per_stage = heads_per_stage
-        self.ring_degree = 1 if chunk_tokens is not None else ring_degree
-        self.chunk_tokens = chunk_tokens
+
+    def _configure(
+        self,
+        options: StyleOptions,
+        *,
+        ring_degree: int | None = None,
+        host_device: torch.device = torch.device("cpu"),
+        **kernels,
+    ) -> None:
+        super()._configure(options, ring_degree=ring_degree, **kernels)
+        self.ring_degree = ring_degree
         self.host = HostMemory(host_device)
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """Tokens per global sequence chunk (None: each stage over the whole sequence)."""
+        return self.options.chunk_tokens
 
     def shard_positions(
         self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
@@ -322,14 +407,13 @@ class UPipeAttention(ContextParallelAttention):
             return contiguous_positions(seq_len, cp_rank, cp_size, device)
         return two_d_positions(seq_len, cp_rank, cp_size, ring_degree, device)
 
-    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
-        return head_degree if self.heads_per_stage is None else self.heads_per_stage
-
     def _argument(self, name: str) -> object:
         return self.host.host_device if name == "host_device" else super()._argument(name)
 
     def _axes(self, mesh: DeviceMesh) -> _Axes:
-        _require_mesh_dims(self, mesh, (1,) if self.chunk_tokens is not None else (1, 2))
+        _require_mesh_dims(
+            self, mesh, (1, 2)
+        )  # with chunks the ring degree is 1: the options' check
         if mesh.ndim == 1:
             axes = super()._axes(mesh)
         elif mesh.mesh_dim_names != _TWO_D_NAMES:
@@ -358,7 +442,7 @@ class UPipeAttention(ContextParallelAttention):
     def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
         params = super()._params(module, axes, seq_len)
         if self.chunk_tokens is None:
-            return dataclasses.replace(params, overlap_stages=self.overlap_stages)
+            return dataclasses.replace(params, overlap_stages=self.options.overlaps_stages)
         chunks = chunk_count(seq_len, axes.cp_degree, self.chunk_tokens)
         return dataclasses.replace(params, chunks=chunks, store_name=self.host.name)
 
@@ -377,6 +461,8 @@ class UlyssesAttention(UPipeAttention):
     they run.
     """
 
+    Options = UlyssesOptions
+
     def __init__(
         self,
         *,
@@ -385,15 +471,13 @@ class UlyssesAttention(UPipeAttention):
         kernel_device: str | None = None,
         keep_attention: KeptAttention | None = None,
     ) -> None:
-        super().__init__(
+        self._configure(
+            UlyssesOptions(),
             ring_degree=ring_degree,
             backend=backend,
             kernel_device=kernel_device,
             keep_attention=keep_attention,
         )
-
-    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
-        return n_heads
 
 
 class RingAttention(ContextParallelAttention):
@@ -410,6 +494,8 @@ class RingAttention(ContextParallelAttention):
         backend, kernel_device: the local attention kernel, as for ``UPipeAttention``.
         keep_attention: attention kept for the recompute, as for ``UPipeAttention``.
     """
+
+    Options = RingOptions
 
     def shard_positions(
         self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
@@ -443,6 +529,8 @@ class FPDTAttention(UPipeAttention):
             planner passes a stand-in it counts as host memory.
     """
 
+    Options = FPDTOptions
+
     def __init__(
         self,
         *,
@@ -452,16 +540,18 @@ class FPDTAttention(UPipeAttention):
         keep_attention: KeptAttention | None = None,
         host_device: torch.device = torch.device("cpu"),
     ) -> None:
-        super().__init__(
-            chunk_tokens=chunk_tokens,
+        self._configure(
+            FPDTOptions(fpdt_chunk_tokens=chunk_tokens),
+            host_device=host_device,
             backend=backend,
             kernel_device=kernel_device,
             keep_attention=keep_attention,
-            host_device=host_device,
         )
 
-    def _stage_heads(self, n_heads: int, head_degree: int) -> int:
-        return n_heads
+
+def _chunk_option(chunk_tokens: int | None) -> int:
+    """``chunk_tokens`` (None: no sequence chunks) as UPipe's ``fpdt_chunk_tokens`` (0: none)."""
+    return 0 if chunk_tokens is None else chunk_tokens
 
 
 def _check_attention_module(module: nn.Module) -> None:

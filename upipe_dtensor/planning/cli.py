@@ -37,6 +37,7 @@ from typing import Any
 
 from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.config import OVERRIDES_HELP, JobConfig, parse_args
+from upipe_dtensor.config.schema import StyleOptionValues
 from upipe_dtensor.parallel.registry import STYLES, style_spec
 from upipe_dtensor.planning.checkpoint_interval import interval_line, suggested_interval
 from upipe_dtensor.planning.floor import refuse_impossible
@@ -62,9 +63,8 @@ def _with(config: JobConfig, *, seq_len: int, cp_style: str) -> JobConfig:
     parallelism = dataclasses.replace(
         config.parallelism,
         cp_style=cp_style,
-        heads_per_stage=config.parallelism.heads_per_stage if same else 0,
-        fpdt_chunk_tokens=config.parallelism.fpdt_chunk_tokens if same else 0,
-        ring_degree=config.parallelism.ring_degree if style_spec(cp_style).ring_axis else 1,
+        style_options=config.parallelism.style_options if same else StyleOptionValues(),
+        ring_degree=config.parallelism.ring_degree if style_spec(cp_style).options.ring_axis else 1,
     )
     training = dataclasses.replace(config.training, seq_len=seq_len)
     return dataclasses.replace(config, parallelism=parallelism, training=training)

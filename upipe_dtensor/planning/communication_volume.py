@@ -64,7 +64,7 @@ def layer_traffic(
     ``ring_degree`` is R for 2D upipe/ulysses (1 otherwise); ``heads_per_stage`` is U as the style
     runs it (``planner`` resolves the config's 0 to the style's default).
     """
-    head_axis = style_spec(cp_style).head_axis
+    head_axis = style_spec(cp_style).options.head_axis
     heads, ring = (cp // ring_degree, ring_degree) if head_axis else (1, cp)
     schedule = make_head_schedule(n_heads, n_kv_heads, heads, heads_per_stage)
     local = batch * seq_len // cp

@@ -71,6 +71,7 @@ from typing import Any
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
+from upipe_dtensor.parallel.style_options import searched_options
 from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
 from upipe_dtensor.planning.step import Budget, GiB, Plan, TraceCache, plan_job
@@ -97,9 +98,7 @@ class Knob:
 
 
 def _replace(config: JobConfig, section: str, **changes: Any) -> JobConfig:
-    return dataclasses.replace(
-        config, **{section: dataclasses.replace(getattr(config, section), **changes)}
-    )
+    return config.with_values({f"{section}.{key}": value for key, value in changes.items()})
 
 
 def _setting(name: str, values: tuple, key: str, show: Callable[[Any], str]) -> Knob:
@@ -155,6 +154,7 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
     parallelism, memory = config.parallelism, config.memory
     args = model_args(config.model, config.training.seq_len)
     heads_axis = parallelism.head_degree
+    searched = searched_options(parallelism.style.options)  # as the style declares them
     found: dict[str, Knob | str] = {}
     not_upipe = f"UPipe's setting; cp_style is {parallelism.cp_style!r}"
     found["keep_attention"] = (
@@ -187,12 +187,12 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
             "parallelism.overlap_stages",
             lambda on: "stages overlapped" if on else "stages in turn",
         )
-        if parallelism.style.overlap_stages
+        if "overlap_stages" in searched
         else not_upipe
     )
-    if not parallelism.style.stage_heads:
+    if "heads_per_stage" not in searched:
         found["heads_per_stage"] = not_upipe
-    if parallelism.style.chunks != "optional":
+    if "fpdt_chunk_tokens" not in searched:
         found["sequence_chunks"] = not_upipe
     elif parallelism.ring_degree > 1:
         found["sequence_chunks"] = "sequence chunks do not combine with a ring across nodes"
@@ -291,28 +291,28 @@ def _valid_worlds(config: JobConfig, gpus_per_node: int, upto: int) -> list[int]
 def on_world(config: JobConfig, world: int, gpus_per_node: int) -> JobConfig:
     """``config`` with every rank splitting the sequence, 2D across nodes for UPipe/Ulysses;
     ConfigError when the model's heads do not split over that many ranks."""
-    style = config.parallelism.style
-    ring = world // gpus_per_node if world > gpus_per_node and style.ring_axis else 1
+    options = config.parallelism.style.options
+    ring = world // gpus_per_node if world > gpus_per_node and options.ring_axis else 1
     if ring > 1 and world % gpus_per_node:
         raise ConfigError(
             f"--world-size {world} is not whole nodes of --gpus-per-node {gpus_per_node}"
         )
     heads_axis = world // ring
-    if style.head_axis:
+    if options.head_axis:
         args = model_args(config.model, config.training.seq_len)
         if not valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis):
             raise ConfigError(
                 f"the {args.n_heads} query / {args.n_kv_heads or args.n_heads} KV heads "
                 f"of flavor {config.model.flavor!r} do not split over {heads_axis} ranks"
             )
-    chunks = config.parallelism.fpdt_chunk_tokens if ring == 1 else 0
+    on_ring = {"fpdt_chunk_tokens": None} if ring > 1 else {}  # chunks stay on one node
     return _replace(
         config,
         "parallelism",
         context_parallel_degree=world,
         data_parallel_shard_degree=-1,
         ring_degree=ring,
-        fpdt_chunk_tokens=chunks,
+        **on_ring,
     )
 
 
@@ -597,8 +597,9 @@ def recipe_toml(result: MaxContext, command: str) -> str:
         "parallelism.context_parallel_degree",  # what ``on_world`` sets
         "parallelism.data_parallel_shard_degree",
         "parallelism.ring_degree",
-        "parallelism.fpdt_chunk_tokens",
     ]
+    if config.parallelism.style.takes("fpdt_chunk_tokens"):
+        keys.append("parallelism.fpdt_chunk_tokens")  # ``on_world`` unsets it on a ring
     keys += [key for knob in result.searched for key in knob.keys if key not in keys]
     keys += [
         key
@@ -611,9 +612,12 @@ def recipe_toml(result: MaxContext, command: str) -> str:
     sections: dict[str, list[str]] = {"job": [f"dump_folder = {_toml_value(folder)}"]}
     for key in keys:
         section, name = key.split(".")
+        value = config.value(key)
         if key != "job.dump_folder":
             sections.setdefault(section, []).append(
-                f"{name} = {_toml_value(getattr(getattr(config, section), name))}"
+                f"# {name} unset: cp_style's default"
+                if value is None
+                else f"{name} = {_toml_value(value)}"
             )
     recipe = Path(config.config_file or "recipe.toml")
     nodes = -(-plan.world_size // budget.gpus_per_node)

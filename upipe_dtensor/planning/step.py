@@ -49,11 +49,8 @@ from upipe_dtensor.planning.step_work import StepWork, StepWorkCounter, refuse_u
 from upipe_dtensor.planning.timeline import StepTimeline, expand
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker, Peak
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
-from upipe_dtensor.runtime.process_group import (
-    backend_device_types,
-    holds_host_tensors,
-    process_group_backend,
-)
+from upipe_dtensor.runtime.group_backends import backend_device_types
+from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
 
 GiB = 2**30
 DEVICE, HOST = torch.device("cpu"), torch.device("meta")  # fake stand-ins for GPU and host RAM
@@ -669,11 +666,7 @@ def _trace(
 def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:
     """Head stages per pass whose exchanges fly during the previous stage's attention (UPipe's
     ``overlap_stages`` without sequence chunks); 1 when every exchange is waited for at once."""
-    if (
-        not parallelism.style.overlap_stages
-        or not parallelism.overlap_stages
-        or parallelism.chunk_tokens
-    ):
+    if not parallelism.options.overlaps_stages:
         return 1
     return n_heads // parallelism.stage_heads(n_heads)
 

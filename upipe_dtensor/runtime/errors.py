@@ -10,11 +10,12 @@ stopped between steps; 130 for Ctrl-C).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import NoReturn
 
 import torch.distributed as dist
@@ -32,20 +33,71 @@ __all__ = [
 ]
 
 
+OUTCOME_WAIT = timedelta(seconds=60)
+"""How long a rank waits for the rank that prints a failure it also reached, and for torchrun's
+store to answer; past it (that rank died first, the store is gone) it prints the line itself."""
+
+
 def report_outcome(message: str, code: int) -> int:
-    """Rank 0 prints a job-level outcome (every rank reaches the same one) and every rank returns
-    ``code``. torchrun stops all ranks as soon as one exits non-zero, so the others wait a moment
-    first: rank 0 must not be stopped before it has printed why."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
-    elif code != 0:
-        time.sleep(1.0)
+    """Print a command's outcome in one line and return ``code``. Every rank reaches the same
+    outcome; success is printed by rank 0. A failure must reach the terminal whichever rank gets
+    there first: torchrun stops every rank as soon as one exits non-zero, so a rank that prints
+    must not be stopped by a peer that exited before it (rank 0 can start seconds after the others
+    on a loaded machine). Under torchrun the first rank to report a failure prints it and the
+    others wait until it has (``_say_once``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if code == 0 or world == 1:
+        if os.environ.get("RANK", "0") == "0":
+            print(message, file=sys.stderr, flush=True)
+    else:
+        _say_once(message)
     return code
+
+
+def _agent_store() -> dist.TCPStore | None:
+    """torchrun's key-value store, which its agent hosts for the whole launch and which every rank
+    can reach before any process group exists (None without one: another launcher, or torchrun
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=OUTCOME_WAIT,
+        )
+    except (KeyError, ValueError, RuntimeError):  # DistError is a RuntimeError
+        return None
+
+
+def _say_once(message: str) -> None:
+    """``message`` on stderr once per launch: the first rank that reaches it prints it, then marks
+    it printed in torchrun's store; a rank that comes later waits for that mark before it returns
+    (and exits). No rank waits on a peer that has not failed, so a failure seen by one rank only
+    is printed too. Without torchrun's store every rank prints it."""
+    store = _agent_store()
+    if store is not None:
+        digest = hashlib.sha256(message.encode()).hexdigest()[:16]
+        key = (
+            f"upipe_dtensor/outcome/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{digest}"
+        )
+        try:
+            if store.add(key, 1) > 1:
+                store.wait([f"{key}/printed"])
+                return
+            print(message, file=sys.stderr, flush=True)
+            store.set(f"{key}/printed", "1")
+            return
+        except RuntimeError:  # the printing rank died first, or the store is gone: say it here
+            pass
+    print(message, file=sys.stderr, flush=True)
 
 
 def run_main(work: Callable[[], object]) -> int:
     """Run a command's ``work`` and return its exit code: 0 when it returns, else the code of the
-    outcome it raised, printed in one line by rank 0 (``report_outcome``). The process group, if
+    outcome it raised, printed in one line (``report_outcome``). The process group, if
     the work made one, is destroyed either way."""
     try:
         work()
