@@ -309,7 +309,7 @@ def _described(config: JobConfig) -> str:
     """The job file's description for the start-up line, or the command-line overrides that
     make it untrue (a style, a model, a length)."""
     overrides = [
-        f"--{key} {getattr(getattr(config, key.split('.')[0]), key.split('.')[1])}"
+        f"--{key} {config.value(key)}"
         for key, where in config.sources.items()
         if where == "command line"
         and (key.startswith(("parallelism.", "model.")) or key == "training.seq_len")
