@@ -36,7 +36,8 @@ from upipe_dtensor.parallel import style as style_module
 from upipe_dtensor.planning import step as planning_step
 from upipe_dtensor.planning.rehearsal import GpuRehearsal
 from upipe_dtensor.planning.step import plan_job
-from upipe_dtensor.runtime.process_group import backend_device_types, process_group_backend
+from upipe_dtensor.runtime.group_backends import backend_device_types
+from upipe_dtensor.runtime.process_group import process_group_backend
 
 pytestmark = pytest.mark.unit
 
@@ -332,7 +333,8 @@ def test_gpu_check_prints_its_whole_table_when_a_backend_fails(monkeypatch) -> N
     failed = [row for row in rows if isinstance(row, gpu_check.FailedRow)]
     assert len(failed) == len(rows) // 2 == 5
     assert all(row.backend == "failing" and "injected kernel error" in row.error for row in failed)
-    table = gpu_check.render(1, "cpu", rows, {"fa3": "no CUDA device"}, None, "RuntimeError: x")
+    failure = "failed: RuntimeError: x"
+    table = gpu_check.render(1, "cpu", rows, {"fa3": "no CUDA device"}, None, failure)
     assert table.count("| sdpa |") == 5 and table.count("| failing | failed: RuntimeError") == 5
     assert (
         "| (skipped) | fa3 | no CUDA device |" in table and "| failed: RuntimeError: x |" in table

@@ -10,6 +10,7 @@ package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, t
 ``preflight``, ``resume``, ``optimizer``, ``export`` and its loop ``trainer``), which the planner
 rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
 gpu_check), which may ask the planner (``gpu_check`` prints the plan beside the measured step).
+``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
 
 The design notes' "Layout" section (``docs/design.md``) must name every module file, one line
 each; the last test compares it with the tree.
@@ -61,6 +62,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "jobs.retrieval",
             "jobs.convert",
             "jobs.gpu_check",
+            "jobs.stand_in",
+            "jobs.kernel_rates",
+            "jobs.evidence",
             "plan",
             "evaluate",
             "convert",
@@ -68,6 +72,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "data_report",
         ),
     ),
+    ("integrations", ("integrations",)),
     ("package exports", ("",)),
 )
 """Lowest first. Each entry names modules relative to ``upipe_dtensor`` ("" is the package's

@@ -5,7 +5,8 @@ The CP styles are exported here; the sub-packages, lowest layer first (a layer i
 own and lower ones, ``tests/test_layering.py``): ``errors`` (the shared exceptions), ``runtime``,
 ``kernels``, ``memory``, ``parallel``, ``models``, ``checkpointing``, ``config``, ``data``, the
 job assembly in ``jobs`` (setup, build, parallelize, trainer), ``planning``, then the commands
-(``jobs``' evaluate, retrieval, convert, gpu_check, and the ``python -m`` modules here). Every
+(``jobs``' evaluate, retrieval, convert, gpu_check, and the ``python -m`` modules here), and
+``integrations`` (torchtitan's own trainer running the styles). Every
 module file is listed in docs/design.md, "Layout".
 """
 

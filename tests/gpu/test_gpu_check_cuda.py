@@ -36,7 +36,7 @@ def test_gpu_check() -> None:
     assert ratios and all(float(r) <= 1.5 for r in ratios), run.stdout
     assert "| failed: " not in run.stdout, run.stdout
     step = re.search(
-        r"^\| 8B, .* \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|$", run.stdout, re.M
+        r"^\| \w+ 8B, .* \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|$", run.stdout, re.M
     )
     assert step, run.stdout
     allocated, _, planned_tracked, _ = map(float, step.groups())

@@ -1,6 +1,13 @@
 """A user's first GPU run: every style against the unsharded model, and one step of the 8B shape.
 
     torchrun --nproc_per_node N -m upipe_dtensor.gpu_check        # N from 1 to 8, one node
+    python -m upipe_dtensor.gpu_check --stand-in --config RECIPE  # one GPU as rank 0 of a recipe
+
+More ranks than GPUs share them (rank r on GPU LOCAL_RANK mod the GPUs): NCCL refuses two ranks on
+one device, so such a run's group is gloo, whose collectives take CUDA tensors (the ring's sends
+go through host memory, ``runtime.group_backends.stages_through_host``); the parity rows then check
+the GPU's kernels and the styles' arithmetic, not NCCL, and the step is left to ``--stand-in``
+(``jobs.stand_in``), which measures a recipe's rank 0 beside its plan.
 
 1. Parity. Each context-parallel style (UPipe, Ulysses, ring, FPDT, UPipe x FPDT, and 2D UPipe on
    4 or 8 GPUs) runs a small torchtitan Llama3 (GQA, head_dim 64) in bf16 with every attention
@@ -34,10 +41,12 @@ import argparse
 import dataclasses
 import functools
 import gc
+import json
 import os
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +58,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from upipe_dtensor.config import ConfigError, parse_args
+from upipe_dtensor.jobs import kernel_rates, stand_in
 from upipe_dtensor.jobs.build import configure_allocator
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, choose_backend
@@ -369,6 +379,10 @@ def measure_step(config, plan: Plan) -> StepRow:
     )
 
 
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "CPU"
+
+
 def render(
     world: int,
     device: str,
@@ -376,10 +390,14 @@ def render(
     skipped: dict[str, str],
     step: StepRow | None,
     step_failure: str = "",
+    backend: str = "",
 ) -> str:
-    name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    gpus = torch.cuda.device_count() if device == "cuda" else world
+    where = f"{world} ranks on {gpus} x {_device_name(device)}" + (
+        f", {backend}" if backend else ""
+    )
     lines = [
-        f"### upipe-dtensor gpu_check: {world} x {name}, torch {torch.__version__}",
+        f"### upipe-dtensor gpu_check: {where}, torch {torch.__version__}",
         "",
         "| style | backend | logits err | grad err | unsharded bf16 logits / grad err | ratio |",
         "|---|---|---:|---:|---:|---:|",
@@ -401,7 +419,7 @@ def render(
             "|---|---:|---:|---:|---:|---:|",
         ]
     if step_failure:
-        lines.append(f"| failed: {step_failure} | | | | | |")
+        lines.append(f"| {step_failure} | | | | | |")
     elif step is not None:
         lines.append(
             f"| {step.job} | {step.tokens_per_s_per_gpu:,.0f} | "
@@ -415,6 +433,12 @@ def render(
     return "\n".join(lines)
 
 
+def shares_gpus(device_type: str) -> bool:
+    """Whether this node runs more ranks than it has GPUs (they share them; module docstring)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    return device_type == "cuda" and ranks > torch.cuda.device_count()
+
+
 def run(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
@@ -425,36 +449,96 @@ def run(args: argparse.Namespace) -> None:
     dump = tempfile.mkdtemp(prefix="gpu_check-")
     # Every rank, before its first CUDA allocation (the kernel probes, the plan, the parity).
     configure_allocator(_step_config(args, world, dump, offload=False))
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    shared = shares_gpus(args.device)
     if args.device == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    planned = plan_step(args, world, dump) if args.step and rank == 0 else None  # no group yet
+    else:
+        device = torch.device("cpu", local_rank)
+    step = args.step and not shared  # the trainer puts rank r on GPU r: --stand-in instead
+    planned = plan_step(args, world, dump) if step and rank == 0 else None  # no group yet
     # gloo beside NCCL: the step may run with FSDP CPU offload (runtime.process_group).
-    dist.init_process_group(
-        process_group_backend(args.device, host_tensors=True), timeout=timedelta(minutes=10)
-    )
+    backend = process_group_backend(args.device, host_tensors=True, shared_gpu=shared)
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
     backends, skipped = available_backends(args.device)
     cp = cp_degree(world)
     mesh = init_device_mesh(args.device, (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
     parity = check_parity(mesh, device, backends, two_d_mesh(cp, args.device))
-    step, step_failure = None, None
-    if args.step:
-        shared = [planned]  # rank 0's (config, plan) to every rank
-        dist.broadcast_object_list(shared)
-        step, step_failure = outcome_on_every_rank(lambda: measure_step(*shared[0]))
+    step_row, step_failure = None, None
+    if step:
+        broadcast = [planned]  # rank 0's (config, plan) to every rank
+        dist.broadcast_object_list(broadcast)
+        step_row, step_failure = outcome_on_every_rank(lambda: measure_step(*broadcast[0]))
     if rank == 0:
-        failure = _one_line(step_failure) if step_failure is not None else ""
-        print(render(world, args.device, parity, skipped, step, failure), flush=True)
+        failure = f"failed: {_one_line(step_failure)}" if step_failure is not None else ""
+        if args.step and shared:
+            failure = f"not run: {world} ranks share the GPU(s); --stand-in measures the step"
+        # The command's output: the table to paste into an issue (its log lines: stderr).
+        print(render(world, args.device, parity, skipped, step_row, failure, backend), flush=True)
+        if args.json:
+            results = {
+                "world_size": world,
+                "process_group": backend,
+                "device": _device_name(args.device),
+                "torch": torch.__version__,
+                "parity": [
+                    dataclasses.asdict(row)
+                    | {"failed": isinstance(row, FailedRow), "ratio": getattr(row, "ratio", None)}
+                    for row in parity
+                ],
+                "skipped": skipped,
+                "step": dataclasses.asdict(step_row) if step_row else None,
+                "step_failure": failure,
+            }
+            Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="one device as rank 0 of --config's world, measured beside its plan (jobs/stand_in)",
+    )
+    parser.add_argument(
+        "--rates",
+        action="store_true",
+        help="time --config's kernels at its step's shapes against the step-time model's ranges",
+    )
+    parser.add_argument(
         "--recipe", default="train_configs/llama3_8b_base.toml", help="the step's job"
     )
     parser.add_argument("--flavor", default="8B", help="the step's model (debugmodel on CPU)")
     parser.add_argument("--tokens-per-gpu", type=int, default=8192, help="the step's context / GPU")
     parser.add_argument("--no-step", dest="step", action="store_false", help="parity only")
-    args = parser.parse_args(argv)
-    return run_main(lambda: run(args))
+    parser.add_argument("--json", default=None, help="also write the results as JSON here")
+    stand_in.add_arguments(parser)
+    args, overrides = parser.parse_known_args(argv)
+    if not (args.stand_in or args.rates):
+        if overrides or args.config:
+            parser.error(
+                f"{overrides or ['--config']}: job files and overrides go with --stand-in/--rates"
+            )
+        return run_main(lambda: run(args), report_on_stdout=True)
+    if args.stand_in and args.rates:
+        parser.error("--stand-in and --rates are two runs: give one")
+    if not args.config:
+        parser.error(
+            "--stand-in and --rates need --config RECIPE (and any --section.key overrides)"
+        )
+    for arg in overrides:
+        if arg.startswith("-") and "." not in arg.split("=", 1)[0]:
+            parser.error(f"unrecognized option {arg}; --section.key value overrides the job file")
+    job = ["--config", args.config, *overrides]
+    if args.rates:
+        return run_main(
+            lambda: kernel_rates.run(job, args.device, args.json), report_on_stdout=True
+        )
+    return run_main(
+        lambda: stand_in.run(
+            job, args.device, args.steps, args.world_size, args.plan, args.json, args.profile
+        ),
+        report_on_stdout=True,
+    )

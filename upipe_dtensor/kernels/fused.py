@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from upipe_dtensor.kernels.op_mode import compile_is_tracing
+
 _backend: str | None = None
 _around_calls: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
@@ -67,7 +69,7 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
-        if _backend is None or torch.compiler.is_compiling():
+        if _backend is None or compile_is_tracing():  # traced: fused by the outer compile
             return fn(*args)
         if _backend not in compiled:
             compiled[_backend] = torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)

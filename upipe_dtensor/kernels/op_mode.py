@@ -64,11 +64,20 @@ class _Transparent(torch.autograd.Function):
         return (None, *ctx.spec.backward(ctx, *grads))
 
 
+def compile_is_tracing() -> bool:
+    """Whether ``torch.compile`` is tracing the caller (dynamo, or AOT autograd tracing a compiled
+    graph's forward and backward). torch 2.13 marks the whole compile session as compiling;
+    torch 2.11 does not while AOT autograd traces, where only FX's tracing flag is up (a nested
+    ``torch.compile`` there raises "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function"). ``is_compiling`` first: under dynamo nothing else is read."""
+    return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
 def call(spec: OpSpec, *args):
     """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd).
     While ``torch.compile`` traces, always the op: a compiled graph calls it, and a planned
     compiled graph runs its body (``planning.compiled``)."""
-    if torch.compiler.is_compiling() or not _transparent:  # compiling first: no guard on it
+    if compile_is_tracing() or not _transparent:  # compiling first: no guard on it
         return spec.op(*args)
     if spec.backward is None:  # a backward op: already running inside autograd's backward
         return spec.body(*args)

@@ -66,10 +66,15 @@ class HostOffload:
         return self.store.peak_host_bytes
 
     def pack(self, tensor: torch.Tensor):
-        if tensor.device != self.store.device or not (
-            tensor.requires_grad or tensor.grad_fn is not None
+        if (
+            tensor.device != self.store.device
+            or not (tensor.requires_grad or tensor.grad_fn is not None)
+            or tensor.numel() == 0
         ):
-            return tensor  # a constant (RoPE table, positions) or already on the host
+            # A constant (RoPE table, positions), already on the host, or empty: torch 2.11's
+            # checkpoint saves a (0,) placeholder beside each block's inputs, which holds nothing
+            # and is unpacked out of the blocks' order.
+            return tensor
         handle = _Offloaded(self.store.park(tensor), index=len(self._in_flight))
         self._in_flight.append(handle)
         return handle

@@ -43,6 +43,8 @@ from torch import Tensor
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.kernels.merge import PartialAttention, accumulator
 from upipe_dtensor.parallel.layouts import ring_halves, ring_positions
+from upipe_dtensor.runtime.fake_process_group import fill_as_received
+from upipe_dtensor.runtime.group_backends import stages_through_host
 
 _KV_TAG, _GRAD_TAG = 1, 2
 
@@ -60,8 +62,14 @@ class _Shift:
     """Send tensors to the next ring rank and receive the previous rank's, asynchronously."""
 
     def __init__(self, ring: Ring, tensors: tuple[Tensor, ...], tag: int) -> None:
-        self.sent = tuple(t.contiguous() for t in tensors)  # alive until the sends complete
-        self.received = tuple(torch.empty_like(t) for t in self.sent)
+        sent = tuple(t.contiguous() for t in tensors)
+        self.received = tuple(torch.empty_like(t) for t in sent)
+        # gloo has no send/recv of CUDA tensors (ranks sharing one GPU): through host copies
+        self.staged = stages_through_host(ring.group, sent[0].device)
+        self.sent = tuple(t.cpu() for t in sent) if self.staged else sent  # alive until sent
+        self.landing = (
+            tuple(torch.empty_like(t) for t in self.sent) if self.staged else self.received
+        )
         after, before = (ring.rank + 1) % ring.size, (ring.rank - 1) % ring.size
         ops = [
             dist.P2POp(dist.isend, t, group=ring.group, group_peer=after, tag=tag)
@@ -69,14 +77,18 @@ class _Shift:
         ]
         ops += [
             dist.P2POp(dist.irecv, t, group=ring.group, group_peer=before, tag=tag)
-            for t in self.received
+            for t in self.landing
         ]
         self.requests = dist.batch_isend_irecv(ops)
+        fill_as_received(self.landing, self.sent, ring.group)  # a stand-in run's fake group
 
     def wait(self) -> tuple[Tensor, ...]:
         for request in self.requests:
             request.wait()
-        self.sent = ()
+        if self.staged:
+            for into, landed in zip(self.received, self.landing):
+                into.copy_(landed)
+        self.sent = self.landing = ()
         return self.received
 
 

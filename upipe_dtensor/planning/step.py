@@ -45,11 +45,8 @@ from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_t
 from upipe_dtensor.planning.step_work import StepWorkCounter
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
-from upipe_dtensor.runtime.process_group import (
-    backend_device_types,
-    holds_host_tensors,
-    process_group_backend,
-)
+from upipe_dtensor.runtime.group_backends import backend_device_types
+from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
 
 GiB = 2**30
 DEVICE, HOST = torch.device("cpu"), torch.device("meta")  # fake stand-ins for GPU and host RAM

@@ -104,13 +104,14 @@ def _say_once(message: str) -> None:
     say_outcome(message)
 
 
-def run_main(work: Callable[[], object]) -> int:
+def run_main(work: Callable[[], object], *, report_on_stdout: bool = False) -> int:
     """Run a command's ``work`` and return its exit code: 0 when it returns, else the code of the
     outcome it raised, printed in one line (``report_outcome``). Every command starts here, so
-    its log output is set up here, once (``runtime.logs``). The process group, if the work made
+    its log output is set up here, once (``runtime.logs``; ``report_on_stdout``: the command's
+    stdout is its report alone, its log lines go to stderr). The process group, if the work made
     one, is destroyed either way."""
     try:
-        set_up_logging()
+        set_up_logging(report_on_stdout=report_on_stdout)
         work()
     except ConfigError as err:
         return report_outcome(f"config error: {err}", 2)

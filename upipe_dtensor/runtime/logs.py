@@ -2,14 +2,16 @@
 
 Every module logs through ``logging.getLogger(__name__)`` under the ``upipe_dtensor`` logger.
 A command's process shows it on the terminal: INFO and below on stdout, WARNING and above on
-stderr (where the lines a user reads went before this module: the start-up line and the step
-lines on stdout, warnings on stderr). The format is the message itself on rank 0, so the lines
-read as they always have (``step     1 | loss 8.0622 | ...``), ``WARNING: `` (``ERROR: ``,
-``DEBUG: ``) before any level but INFO, and ``[rank N] `` before every line of another rank.
+stderr (the start-up line and the step lines on stdout, warnings on stderr), or everything on
+stderr for a command whose stdout is its report (``gpu_check``). The format is the message
+itself on rank 0, so the lines read as they always have (``step     1 | loss 8.0622 | ...``),
+``WARNING: `` (``ERROR: ``, ``DEBUG: ``) before any level but INFO, and ``[rank N] `` before
+every line of another rank.
 
-Rank 0 logs at INFO, every other rank at WARNING: a line every rank would print alike is said
-once, and a rank's own warning still shows. Two environment variables change that (they are
-read when the command starts, before any config, so they also cover the config's errors):
+Rank 0 logs at INFO, every other rank at WARNING: a progress line that every rank logs shows
+once, and a rank's own warning still shows (a warning that every rank reaches alike is logged by
+rank 0 alone). Two environment variables change that (read when the command starts, before
+any config, so they also cover the config's errors):
 
 - ``UPIPE_LOG_LEVEL``: the level of the ranks that log (DEBUG, INFO, WARNING, ERROR; default
   INFO). ``UPIPE_LOG_LEVEL=WARNING`` silences the progress lines and keeps the warnings.
@@ -20,7 +22,7 @@ Routing is Python's own: a program that embeds the package adds its handlers to 
 ``upipe_dtensor`` logger (this module only configures a command's process), and torchrun's
 ``--log-dir``/``--redirects``/``--tee`` write each rank's output to its own file. A command's
 deliberate output (a report, a JSON line) and the one line that explains its exit code
-(``runtime.errors``) are printed, not logged: no log setting hides them.
+(``runtime.errors.say_outcome``) are printed, not logged: no log setting hides them.
 """
 
 from __future__ import annotations
@@ -55,12 +57,18 @@ class RankFormatter(logging.Formatter):
 
 
 class ConsoleHandler(logging.Handler):
-    """INFO and below to stdout, WARNING and above to stderr, flushed per line. The streams are
-    looked up at each line, so a caller that swaps ``sys.stdout`` (pytest's capture) gets it."""
+    """INFO and below to stdout, WARNING and above to stderr (everything to stderr with
+    ``all_to_stderr``), flushed per line. The streams are looked up at each line, so a caller that
+    swaps ``sys.stdout`` (pytest's capture) gets it."""
+
+    def __init__(self, *, all_to_stderr: bool = False) -> None:
+        super().__init__()
+        self.all_to_stderr = all_to_stderr
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            to_stderr = self.all_to_stderr or record.levelno >= logging.WARNING
+            stream = sys.stderr if to_stderr else sys.stdout
             stream.write(self.format(record) + "\n")
             stream.flush()
         except Exception:  # logging's contract: a handler never raises into the caller
@@ -88,10 +96,12 @@ def _logs_at_level(rank: int, ranks: str) -> bool:
         ) from None
 
 
-def set_up_logging(rank: int | None = None) -> None:
+def set_up_logging(rank: int | None = None, *, report_on_stdout: bool = False) -> None:
     """Send the package's log records to this process's terminal in the one format, at this
-    rank's level (module docstring). ``rank``: torchrun's RANK unless given. Calling it again
-    replaces the handler it added, never adds a second. A bad setting is a ``ConfigError``."""
+    rank's level (module docstring). ``rank``: torchrun's RANK unless given;
+    ``report_on_stdout``: stdout holds only the command's report (``gpu_check``'s table), so
+    every log line goes to stderr. Calling it again replaces the handler it added, never adds a
+    second. A bad setting is a ``ConfigError``."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     level = _level(os.environ.get(LEVEL_ENV, "INFO"))
     if not _logs_at_level(rank, os.environ.get(RANKS_ENV, "0")):
@@ -99,7 +109,7 @@ def set_up_logging(rank: int | None = None) -> None:
     package = logging.getLogger(PACKAGE_LOGGER)
     for handler in [h for h in package.handlers if isinstance(h, ConsoleHandler)]:
         package.removeHandler(handler)
-    handler = ConsoleHandler()
+    handler = ConsoleHandler(all_to_stderr=report_on_stdout)
     handler.setFormatter(RankFormatter(rank))
     package.addHandler(handler)
     package.setLevel(level)

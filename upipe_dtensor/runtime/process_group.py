@@ -7,16 +7,19 @@ exports run on CPU tensors) needs a CPU backend beside it: ``"cuda:nccl,cpu:gloo
 torchtitan's ``init_distributed`` sets up in the same case. With NCCL alone such a collective
 raises "No backend type associated with device type cpu" at the first step.
 
+Several ranks on one GPU (``gpu_check``'s numerics on a machine with fewer GPUs than ranks) cannot
+use NCCL, which refuses two ranks on one device ("Duplicate GPU detected"): they run gloo
+(``runtime.group_backends`` says what gloo does with CUDA tensors).
+
 The trainer (``jobs.build``), ``gpu_check`` and the planner all take the string from
 ``process_group_backend``; the planner checks every collective of the traced step against it
-(``planning.rehearsal``), so a host collective without a CPU backend is refused in the plan.
+(``planning.rehearsal``, ``group_backends.backend_device_types``), so a host collective without a
+CPU backend is refused in the plan.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-import torch.distributed as dist
 
 if TYPE_CHECKING:  # the config layer sits above the runtime (tests/test_layering.py)
     from upipe_dtensor.config.schema import JobConfig
@@ -28,19 +31,10 @@ def holds_host_tensors(config: JobConfig) -> bool:
     return config.training.enable_cpu_offload
 
 
-def process_group_backend(device_type: str, host_tensors: bool) -> str:
+def process_group_backend(device_type: str, host_tensors: bool, shared_gpu: bool = False) -> str:
     """The ``init_process_group`` backend of a job on ``device_type`` devices: gloo on CPU;
-    NCCL on CUDA, with gloo for CPU tensors when the job holds ``host_tensors``."""
-    if device_type != "cuda":
+    NCCL on CUDA, with gloo for CPU tensors when the job holds ``host_tensors``; gloo on CUDA
+    too when ranks share a GPU (``shared_gpu``: NCCL refuses that)."""
+    if device_type != "cuda" or shared_gpu:
         return "gloo"
     return "cuda:nccl,cpu:gloo" if host_tensors else "nccl"
-
-
-def backend_device_types(backend: str) -> dict[str, str]:
-    """Device type -> backend of a backend string: "cuda:nccl,cpu:gloo" names each; a single
-    backend covers the device types torch lists for it (``Backend.backend_capability``: nccl
-    cuda only, gloo cpu and cuda)."""
-    if ":" in backend:
-        pairs = (part.split(":", 1) for part in backend.split(","))
-        return {device.strip(): name.strip() for device, name in pairs}
-    return {device: backend for device in dist.Backend.backend_capability.get(backend, [])}

@@ -1,0 +1,384 @@
+"""UPipe (and Ulysses, ring, FPDT, UPipe x FPDT) inside torchtitan's own trainer.
+
+Importing this module registers one torchtitan train spec per model family this project runs,
+``llama3_upipe`` and ``qwen3_upipe``: torchtitan's own ``llama3`` / ``qwen3`` spec (model,
+flavors, tokenizer, data loader, loss, optimizer, checkpoint adapter) whose ``parallelize_fn``
+first applies the ``[upipe]`` section's CP style to every ``layers.*.attention`` over
+torchtitan's ``cp`` mesh, then hands the model to torchtitan's own parallelize function, which
+applies its activation checkpointing, ``torch.compile`` and FSDP2 (over ``dp_shard x cp``, as for
+its own CP) exactly as for the plain spec, with its own CP skipped. Loaded through torchtitan's
+own extension flags (or the same keys in a job file: ``train_configs/torchtitan/``)::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train --job.config_file YOUR_llama3_8b.toml \\
+        --experimental.custom_import upipe_dtensor.integrations.torchtitan \\
+        --job.custom_config_module upipe_dtensor.integrations.torchtitan \\
+        --model.name llama3_upipe --parallelism.context_parallel_degree 8
+
+``--job.custom_config_module`` adds the ``[upipe]`` section (``UPipe`` below: ``cp_style``, the
+styles' options under their ``[parallelism]`` names such as ``heads_per_stage`` and
+``fpdt_chunk_tokens``, ``attention_backend``, the tiled MLP and RMSNorm), checked by the same
+function as a job file of this project (``parallel.registry.make_style``). Without it the
+section's defaults apply: UPipe with U = C.
+
+**Who lays out the sequence.** torchtitan's ``Trainer`` cuts each sequence itself, by
+``[parallelism] context_parallel_load_balancer``: none gives rank r the contiguous slice (the
+UPipe and Ulysses layout), ``"headtail"`` gives it chunks r and 2C-1-r of 2C (ring attention's
+zigzag). A layout the style does not expect would keep RoPE right (torchtitan passes the
+positions) and get the causal order silently wrong, so the spec's ``parallelize_fn`` compares
+the two for every rank and refuses a mismatch with one line naming the balancer that fits. With
+this config module the balancer's default is none (TOML cannot write None), so UPipe and
+Ulysses need nothing and ring attention asks for ``"headtail"``. FPDT's chunk-strided layout
+(and UPipe x FPDT's) has no torchtitan balancer: run ``python -m
+upipe_dtensor.integrations.torchtitan`` (same arguments), torchtitan's ``main`` with
+``UPipeTrainer``, whose post-dataloading step lays out inputs and labels by the style's
+``shard_positions``; it takes every style and ignores the balancer.
+
+**What needs this project's trainer** (``train.py``), not silently dropped here:
+
+- 2D (``ring_degree > 1``): torchtitan's ``ParallelDims`` builds one ``cp`` mesh dimension, not
+  the ``(cp_ring, cp_heads)`` mesh; refused at start-up.
+- tensor parallelism: the fused attention op computes with unsharded projection weights; refused.
+- the chunked loss: torchtitan's loss takes the full logits.
+- kept attention (device or host) and host-offloaded activations: they ride on this project's
+  checkpoint wrapper, not torchtitan's ``apply_ac``.
+- documents (``attention_mask = "document"``): torchtitan's sdpa models have no document ids to
+  pass; its flex/varlen masks are refused by the styles.
+- RoPE at millions of tokens: torchtitan's model keeps its (max_seq_len x head_dim/2) complex64
+  table, float32 angles, on every GPU; this project's computes each shard's angles in float64.
+- the planner (``plan``), whose traced step is this project's trainer.
+- pipeline parallelism: untested with the styles, so these specs declare none and torchtitan
+  refuses ``pipeline_parallel_degree > 1`` itself.
+"""
+
+import contextvars
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import torch
+import tyro
+from torch import Tensor, nn
+from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+from torch.distributed.tensor.parallel import parallelize_module
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.train import Trainer
+
+from upipe_dtensor.kernels.backends import BACKENDS
+from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
+from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
+from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
+from upipe_dtensor.models.family import FAMILIES
+from upipe_dtensor.parallel import ContextParallelAttention
+from upipe_dtensor.parallel.registry import STYLES, make_style, option_types
+from upipe_dtensor.parallel.style_options import Geometry, OptionError
+
+logger = logging.getLogger(__name__)
+
+SPEC_SUFFIX = "_upipe"
+"""``[model] name`` of a family's spec here: torchtitan's name plus this."""
+
+
+@dataclass
+class UPipeSettings:
+    """The ``[upipe]`` keys that are not a style's own options (those are added below from the
+    registry, so every registered style's options are keys here too)."""
+
+    cp_style: Literal[tuple(STYLES)] = "upipe"  # type: ignore[valid-type]
+    """Context-parallel attention over torchtitan's cp mesh: 'upipe' (a few heads per stage),
+    'ulysses' (all heads), 'ring' (K/V around the CP group) or 'fpdt' (Ulysses over sequence
+    chunks, earlier chunks' K/V in host memory). As this project's [parallelism] cp_style."""
+    attention_backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
+    """Local attention kernel, as this project's [parallelism] attention_backend ('auto': the
+    fastest that runs here; sdpa on CPU)."""
+    ring_degree: int = 1
+    """Must be 1: 2D context parallelism (> 1) needs a (cp_ring, cp_heads) mesh, which torchtitan
+    does not build (this project's trainer does)."""
+    tiled_mlp: bool = False
+    """Run each SwiGLU MLP over tiles of tokens (this project's [memory] tiled_mlp)."""
+    mlp_tile_tokens: int = 0
+    """Tokens per MLP tile; 0: the model width."""
+    tiled_rms_norm: bool = False
+    """Run every RMSNorm over tiles of tokens (this project's [memory] tiled_rms_norm)."""
+    norm_tile_tokens: int = 0
+    """Tokens per RMSNorm tile; 0: the model width."""
+
+
+def _option_field(key: str, kind: Any) -> tuple[str, Any, Any]:
+    """A style option as an ``[upipe]`` key: its type or None (unset: the style's default)."""
+    takers = " and ".join(repr(name) for name, spec in STYLES.items() if spec.takes(key))
+    text = (
+        f"Option of cp_style {takers}, as this project's [parallelism] {key} (docs/training.md); "
+        "unset: the style's default."
+    )
+    return key, Annotated[kind | None, tyro.conf.arg(help=text)], field(default=None)
+
+
+UPipe = dataclasses.make_dataclass(
+    "UPipe",
+    [_option_field(key, kind) for key, kind in option_types().items()],
+    bases=(UPipeSettings,),
+)
+UPipe.__doc__ = """[upipe]: the CP style torchtitan's trainer runs, with this project's
+[parallelism] names, checked as its job files are (parallel.registry.make_style)."""
+
+
+@dataclass
+class Parallelism:
+    context_parallel_load_balancer: str | None = None
+    """How torchtitan's trainer cuts each sequence over the cp ranks: None (the default with this
+    config module) the contiguous slices UPipe, Ulysses and single-chunk FPDT expect, 'headtail'
+    chunks r and 2C-1-r of 2C (ring attention's zigzag). A mismatch with [upipe] cp_style is
+    refused at start-up."""
+
+
+@dataclass
+class JobConfig:
+    """What ``--job.custom_config_module upipe_dtensor.integrations.torchtitan`` adds to
+    torchtitan's job config (torchtitan's ``ConfigManager`` merges it)."""
+
+    upipe: UPipe = field(default_factory=UPipe)  # type: ignore[valid-type]
+    parallelism: Parallelism = field(default_factory=Parallelism)
+
+
+_STYLE_LAYS_OUT_INPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "style_lays_out_inputs", default=False
+)
+"""True while ``UPipeTrainer`` builds its model: its inputs are laid out by the style, so the
+load balancer is not compared with the style's layout."""
+
+
+class _WithoutTorchtitanCP:
+    """``parallel_dims`` as torchtitan's parallelize functions should see it once the style is
+    applied: its meshes, FSDP over ``dp_shard x cp`` and every other setting unchanged, but
+    ``cp_enabled`` False, the one flag by which they apply torchtitan's own CP (``llama3`` and
+    ``qwen3``'s ``parallelize_*`` in torchtitan 0.2.2 read it only for that and for TP, which is
+    refused here)."""
+
+    cp_enabled = False
+
+    def __init__(self, parallel_dims: ParallelDims) -> None:
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parallel_dims, name)
+
+
+def torchtitan_layout(balancer: str | None, seq_len: int, cp_degree: int) -> list[Tensor] | None:
+    """The global token indices torchtitan's trainer feeds each cp rank with ``balancer``, as its
+    ``distributed.context_parallel.cp_shard`` cuts them: torch's head-tail balancer reorders the
+    sequence ('headtail'), then it is cut into C equal pieces. None for 'ptrr', which reorders by
+    the batch's flex block masks (which the styles do not take)."""
+    order = torch.arange(seq_len)
+    if balancer == "headtail":
+        order = order[_HeadTailLoadBalancer(seq_len, cp_degree, "cpu")._generate_indices()[0]]
+    elif balancer is not None:
+        return None
+    return list(order.chunk(cp_degree))
+
+
+def _spans(index: Tensor) -> str:
+    """``index`` as its runs of consecutive tokens, e.g. '0-7, 56-63'."""
+    values = index.tolist()
+    runs, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            first, last = values[start], values[i - 1]
+            runs.append(f"{first}" if first == last else f"{first}-{last}")
+            start = i
+    return ", ".join(runs)
+
+
+def check_load_balancer(
+    style: ContextParallelAttention, balancer: str | None, seq_len: int, cp_degree: int
+) -> None:
+    """ValueError (one line, naming the fix) unless torchtitan's trainer, cutting sequences by
+    ``balancer``, feeds every cp rank the tokens ``style`` expects, in its order."""
+
+    def fits(name: str | None) -> bool:
+        layout = torchtitan_layout(name, seq_len, cp_degree)
+        return layout is not None and all(
+            torch.equal(layout[rank], style.shard_positions(seq_len, rank, cp_degree))
+            for rank in range(cp_degree)
+        )
+
+    if fits(balancer):
+        return
+    fitting = [name for name in (None, "headtail") if fits(name)]
+    if fitting == [None]:
+        fix = (
+            "remove context_parallel_load_balancer from the job file (None is this plug-in's "
+            "default) or pass --parallelism.context_parallel_load_balancer None"
+        )
+    elif fitting:
+        fix = f"set [parallelism] context_parallel_load_balancer = {fitting[0]!r}"
+    else:
+        fix = (
+            "no torchtitan balancer lays it out: launch with -m upipe_dtensor.integrations."
+            "torchtitan (same arguments), whose trainer lays out inputs by the style"
+        )
+    given = torchtitan_layout(balancer, seq_len, cp_degree)
+    fed = f"gives rank 0 tokens {_spans(given[0])}" if given else "reorders by flex block masks"
+    expected = _spans(style.shard_positions(seq_len, 0, cp_degree))
+    raise ValueError(
+        f"[parallelism] context_parallel_load_balancer = {balancer!r} {fed}, but [upipe] "
+        f"cp_style = {_style_name(style)!r} expects rank 0 to hold tokens {expected} of "
+        f"{seq_len} (RoPE would stay right, the causal order would be wrong): {fix}"
+    )
+
+
+def _style_name(style: ContextParallelAttention) -> str:
+    """The ``cp_style`` name of ``style``'s class."""
+    return next(name for name, spec in STYLES.items() if type(style) is spec.style)
+
+
+def upipe_settings(job_config: Any) -> Any:
+    """The job's ``[upipe]`` section; its defaults when the config module was not loaded."""
+    section = getattr(job_config, "upipe", None)
+    if section is None:
+        logger.info(
+            "no [upipe] section (--job.custom_config_module upipe_dtensor.integrations."
+            "torchtitan adds it): UPipe with its defaults"
+        )
+        return UPipe()
+    return section
+
+
+def make_cp_style(
+    args: Any, settings: Any, cp_degree: int, seq_len: int
+) -> ContextParallelAttention:
+    """The ``[upipe]`` section's style for a model of torchtitan ``args`` on ``cp_degree`` ranks,
+    checked as this project checks ``[parallelism]`` (ValueError naming the keys and a fix)."""
+    if settings.ring_degree != 1:
+        raise ValueError(
+            f"[upipe] ring_degree = {settings.ring_degree}: 2D context parallelism needs a "
+            "(cp_ring, cp_heads) mesh, which torchtitan's ParallelDims does not build; set "
+            "ring_degree = 1, or train with this project's train.py (recipes/multinode/)"
+        )
+    try:
+        return make_style(
+            settings,
+            Geometry(
+                n_heads=args.n_heads,
+                n_kv_heads=getattr(args, "n_kv_heads", None) or args.n_heads,
+                cp_degree=cp_degree,
+                ring_degree=1,
+                seq_len=seq_len,
+            ),
+            backend=settings.attention_backend,
+        )
+    except OptionError as err:
+        raise ValueError(f"[upipe] {err}") from None
+
+
+def parallelize_with_style(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: Any,
+    *,
+    then: Callable[..., nn.Module],
+) -> nn.Module:
+    """A train spec's ``parallelize_fn``: the ``[upipe]`` style on every attention module over
+    torchtitan's cp mesh, the tiled MLP and RMSNorm if asked, then ``then`` (torchtitan's own
+    parallelize function: activation checkpointing, compile, FSDP) with its CP skipped."""
+    settings = upipe_settings(job_config)
+    if parallel_dims.tp_enabled:
+        raise ValueError(
+            f"[parallelism] tensor_parallel_degree = {parallel_dims.tp}: the CP styles' fused "
+            "attention op computes with unsharded projection weights; set "
+            "tensor_parallel_degree = 1 and give the ranks to data_parallel_shard_degree"
+        )
+    if parallel_dims.cp_enabled:
+        seq_len = job_config.training.seq_len
+        style = make_cp_style(model.model_args, settings, parallel_dims.cp, seq_len)
+        balancer = job_config.parallelism.context_parallel_load_balancer
+        if not _STYLE_LAYS_OUT_INPUTS.get():
+            check_load_balancer(style, balancer, seq_len, parallel_dims.cp)
+        parallelize_module(model, parallel_dims.get_mesh("cp"), {"layers.*.attention": style})
+        logger.info(
+            "[upipe] %s over cp %d, inputs laid out by %s",
+            style,
+            parallel_dims.cp,
+            "the style" if _STYLE_LAYS_OUT_INPUTS.get() else f"balancer {balancer!r}",
+        )
+    else:
+        logger.info("[upipe] context_parallel_degree = 1: no CP style applied")
+    if settings.tiled_mlp:
+        apply_tiled_mlp(model, settings.mlp_tile_tokens)
+    if settings.tiled_rms_norm:
+        apply_tiled_rms_norm(model, settings.norm_tile_tokens)
+    if job_config.compile.enable and job_config.compile.backend == "inductor":
+        register_inductor_fallbacks()
+    return then(model, _WithoutTorchtitanCP(parallel_dims), job_config)
+
+
+def applied_style(model: nn.Module) -> ContextParallelAttention | None:
+    """The CP style applied to ``model``'s attention modules (found through torchtitan's
+    checkpoint, compile and FSDP wrappers), None without one."""
+    for module in model.modules():
+        style = getattr(module, "cp_style", None)
+        if isinstance(style, ContextParallelAttention):
+            return style
+    return None
+
+
+class UPipeTrainer(Trainer):
+    """torchtitan's ``Trainer`` whose post-dataloading step lays out inputs and labels by the CP
+    style's ``shard_positions`` (any style, FPDT's chunk-strided layout included) instead of by
+    torchtitan's load balancer; everything else is torchtitan's loop. The loss stays right:
+    torchtitan divides each rank's loss sum by the tokens of the whole sequence and sums
+    gradients over the cp ranks (FSDP over dp_shard x cp, no division)."""
+
+    def __init__(self, job_config: Any) -> None:
+        token = _STYLE_LAYS_OUT_INPUTS.set(True)
+        try:
+            super().__init__(job_config)
+        finally:
+            _STYLE_LAYS_OUT_INPUTS.reset(token)
+        self.cp_style = (
+            applied_style(self.model_parts[0]) if self.parallel_dims.cp_enabled else None
+        )
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, Tensor], labels: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Any]]:
+        if self.cp_style is None:
+            return super().post_dataloading_process(input_dict, labels)
+        inputs = input_dict["input"]
+        extra_inputs = {key: value for key, value in input_dict.items() if key != "input"}
+        mesh = self.parallel_dims.get_mesh("cp")
+        index = self.cp_style.shard_positions(
+            inputs.shape[1], mesh.get_local_rank(), mesh.size(), inputs.device
+        )
+        return inputs[:, index], labels[:, index], extra_inputs, {}  # RoPE: the style's layout
+
+
+def register_train_specs() -> None:
+    """``<family>_upipe`` for every model family this project registers that torchtitan ships a
+    train spec for: torchtitan's spec with ``parallelize_with_style`` in front of its own
+    parallelize function, and no pipelining."""
+    for name in FAMILIES:
+        spec: TrainSpec = get_train_spec(name)
+        register_train_spec(
+            name + SPEC_SUFFIX,
+            dataclasses.replace(
+                spec,
+                parallelize_fn=functools.partial(parallelize_with_style, then=spec.parallelize_fn),
+                pipelining_fn=None,
+            ),
+        )
+
+
+if __name__ == "__main__":
+    # This file run as a script: its trainer, with the specs registered once, by the module's
+    # import name (which --experimental.custom_import and the config module also import).
+    from torchtitan.train import main
+
+    from upipe_dtensor.integrations import torchtitan as plugin
+
+    main(plugin.UPipeTrainer)
+else:
+    register_train_specs()
