@@ -462,7 +462,9 @@ def plan_job(
     config = dataclasses.replace(  # compiled blocks: inductor's graphs, replayed (docstring)
         config,
         checkpoint=dataclasses.replace(config.checkpoint, enable=False),
-        metrics=dataclasses.replace(config.metrics, enable_tensorboard=False),
+        metrics=dataclasses.replace(  # no sink: nothing written, no dump folder claimed
+            config.metrics, enable_tensorboard=False, enable_jsonl=False, enable_wandb=False
+        ),
         compile=dataclasses.replace(config.compile, backend=planned_compile.PLANNER_BACKEND),
     )
     init_fake_process_group(world_size)
