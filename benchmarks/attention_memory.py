@@ -2,7 +2,7 @@
 
 UPipe's claim is that running Ulysses a few heads at a time shrinks the query-side intermediates
 (Q, the attention output and their all-to-all buffers) to about U/H of Ulysses' (see "Memory
-bound" in ``upipe_dtensor/parallel/upipe_attention.py``). The measured unit is the whole layer as
+bound" in ``upipe_dtensor/parallel/staged_attention.py``). The measured unit is the whole layer as
 the model calls it: RoPE at the shard's positions, the attention op (projections, the stage loop,
 the pre-``wo`` output buffer and ``wo``, which the op applies itself), and in backward every
 gradient (dx, dwq, dwk, dwv, dwo). Rows: UPipe at U = C and 2C, Ulysses (U = H), ring attention,

@@ -8,7 +8,11 @@ Each spawn runs the whole grid for one CP degree C (spawning is the slow part on
 - FPDT: 1, 2 and 4 chunks per rank, and UPipe x FPDT (U = C with chunks);
 - 2D (ring x heads): every (R, C/R) the degree allows, U in {C/R, H};
 - document masks for every style, with global and per-document RoPE positions, against the
-  unsharded model run one document at a time.
+  unsharded model run one document at a time;
+- long shards (more tokens per rank than the model's width), where backward adds each stage's
+  query gradients into dx and dwq at once instead of keeping them for one product at the end
+  (``AttentionProjections.query_grads_wait``): UPipe at U = C and 2C, FPDT, UPipe x FPDT and
+  Qwen3's QK-norm, in float32 and bfloat16.
 In float32 the relative error must be <= 1e-5; in bfloat16 the sharded model may be no less
 accurate against a float32 reference than the unsharded bf16 model (2x its error + 1e-2).
 """
@@ -16,6 +20,7 @@ accurate against a float32 reference than the unsharded bf16 model (2x its error
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -36,6 +41,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from upipe_dtensor.data.documents import document_positions
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
+from upipe_dtensor.parallel.projections import AttentionProjections
 
 pytestmark = pytest.mark.distributed
 
@@ -279,3 +285,35 @@ def test_grid_covers_the_promised_cases() -> None:
         }
     assert {c["ring"] for c in two_d_cases(4)} == {2, 4}
     assert any(c.get("overlap") is False for c in ulysses_cases(2))
+
+
+def _grid_adding_queries_at_once(rank: int, cp: int, dtype: torch.dtype, grid: list[dict]) -> None:
+    """``_grid``, checking that every stage's query gradient went into dx and dwq at once."""
+    waited = []
+    store = AttentionProjections.store_query_grad
+
+    def spy(self, grad_q, stage, rope, waiting, grad_x, grad_wq):
+        waited.append(waiting is not None)
+        return store(self, grad_q, stage, rope, waiting, grad_x, grad_wq)
+
+    with mock.patch.object(AttentionProjections, "store_query_grad", spy):
+        _grid(rank, cp, dtype, grid)
+    assert waited and not any(waited), "a case kept its query gradients for the end"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_query_gradients_added_at_once(dtype: torch.dtype) -> None:
+    """192 tokens per rank against a width of 64 (MHA, 8 heads of 8): without checkpointing, dx
+    and dwq then hold less than dx and a buffer of every query gradient, so each stage's goes
+    into them at once (issue 40). Not U = 2C in bf16: with two KV blocks the waiting dx stays
+    bf16, and a bf16 buffer and dx hold what one float32 dx does, so the queries wait."""
+    long = dict(n_heads=8, n_kv=8, seq_len=384)
+    grid = [
+        dict(style="upipe", u=2, **long),
+        dict(style="fpdt", chunks=4, **long),
+        dict(style="fpdt", chunks=2, u=2, **long),
+        dict(style="upipe", u=2, family="qwen3", **long),
+    ]
+    if dtype == torch.float32:
+        grid.append(dict(style="upipe", u=4, **long))
+    run_on_ranks(2, _grid_adding_queries_at_once, dtype, grid)

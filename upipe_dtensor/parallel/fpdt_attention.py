@@ -32,11 +32,14 @@ Memory bound (per rank, N = B*S/C local tokens, c = N/u tokens per chunk, per-ra
           the float32 running output of the chunk; in backward one query chunk's q, o, dO, dQ and
           one K/V chunk's k, v and float32 dK, dV. None of it grows with the number of chunks.
           Sums across chunks and a KV block's stages are float32: dQ, dK, dV and, with several
-          chunks, dwk and dwv (float32 copies of wk, wv, independent of N). Each final dQ_i
-          waits in the saved output buffer (the stage's chunks of it are parked first; without
-          activation checkpointing a new N*H*d*b buffer), and dx (N*D*b, created when the first
-          KV block closes; float32 beyond two KV blocks) and dwq are one product each at the
-          end, as in ``staged_attention``.
+          chunks, dwk and dwv (float32 copies of wk, wv, independent of N). Under activation
+          checkpointing each final dQ_i waits in the saved output buffer (the stage's chunks of
+          it are parked first), and dx (N*D*b, created when the first KV block closes; float32
+          beyond two KV blocks) and dwq are one product each at the end, as in
+          ``staged_attention``. Without it, that buffer would be a new N*H*d*b beside dx, which
+          exists from the first K/V chunk on: at long context (N >> D) each final dQ_i goes
+          into its rows of dx (float32 beyond five products) and into dwq (float32) at once
+          instead (``AttentionProjections.query_grads_wait``).
   host  : the K/V chunks of the current KV block (2*N*C*k*d), and in backward q, o, dO and
           partial dQ of the stage (~4*N*U*d) plus partial dK/dV between the stages of a block.
 """
@@ -201,9 +204,11 @@ def fpdt_backward(
 ) -> tuple[Tensor, AttentionWeights]:
     """The paper's backward order per stage; returns (dx, the weights' gradients). Sums across
     chunks (dwk, dwv, dQ, dK, dV) and a KV block's stages (dK, dV) are float32. Each final dQ_i
-    waits in its rows and stage heads of one (B, S/C, H, d) buffer, and dx += dQ @ wq and
-    dwq = dQ.T @ x are one product each at the end, as in ``staged_backward``; dx is created
-    when the first KV block closes."""
+    waits in its rows and stage heads of one (B, S/C, H, d) buffer (or, when that buffer would
+    be new and dx and dwq hold less, goes into them at once:
+    ``AttentionProjections.query_grads_wait``), and
+    dx += dQ @ wq and dwq = dQ.T @ x are one product each at the end, as in
+    ``staged_backward``; dx is created when the first KV block closes."""
     layer = _Chunks(x, weights, params)
     wq, wk, wv, wo = weights.wq, weights.wk, weights.wv, weights.wo
     schedule, backend, scale = (
@@ -215,9 +220,14 @@ def fpdt_backward(
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
     # Every chunk's final dQ waits in its rows and stage heads of one buffer (the output, when it
-    # is scratch: a stage's slices of it are parked before any dQ of the stage is final).
-    grads_q = out if params.output_is_scratch else torch.empty_like(out)
-    grad_x: Tensor | None = None  # created when the first KV block closes
+    # is scratch: a stage's slices of it are parked before any dQ of the stage is final), or goes
+    # into dx and dwq at once (``AttentionProjections.query_grads_wait``).
+    first = layer.spans[0]  # every span has the same schedule
+    wait = first.query_grads_wait(x, params.output_is_scratch, params.chunks)
+    grads_q = (out if params.output_is_scratch else torch.empty_like(out)) if wait else None
+    # Waiting, dx is created when the first KV block closes and dwq after the last stage.
+    grad_x = None if wait else first.new_input_grad(x, wait)
+    grad_wq = None if wait else first.new_query_weight_grad(params.chunks)
     grad_wk, grad_wv = (
         accumulator(w, summed=params.chunks > 1).view(-1, params.head_dim, x.shape[-1])
         for w in (wk, wv)
@@ -291,7 +301,9 @@ def fpdt_backward(
                         span_j.start_to_sequence(grad_q_i.to(x.dtype)),
                         stage,
                         _rows(rope, layer.local[i]),
-                        grads_q[:, layer.local[i]],
+                        None if grads_q is None else grads_q[:, layer.local[i]],
+                        None if grad_x is None else grad_x[:, layer.local[i]],
+                        grad_wq,
                     )
                 else:
                     parking.put(("dq", i), grad_q_i)
@@ -299,7 +311,7 @@ def fpdt_backward(
             del k_j, v_j
             if stage.closes_kv_block:
                 if grad_x is None:
-                    grad_x = span_j.new_input_grad(x)
+                    grad_x = span_j.new_input_grad(x, wait)
                 span_j.kv_backward(
                     grad_k_j,
                     grad_v_j,
@@ -315,7 +327,9 @@ def fpdt_backward(
             del grad_k_j, grad_v_j
         if stage.closes_kv_block:
             parking.clear()
-    grad_wq = AttentionProjections(x, weights, params, layer.qk).queries_backward(grads_q, grad_x)
+    if wait:
+        whole = AttentionProjections(x, weights, params, layer.qk)
+        grad_wq = whole.queries_backward(grads_q, grad_x)
     grads = (grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv))
     grad_x, grad_wq, grad_wk, grad_wv = (g.to(t.dtype) for g, t in zip(grads, (x, wq, wk, wv)))
     return grad_x, AttentionWeights(grad_wq, grad_wk, grad_wv, grad_wo, *layer.qk.weight_grads())

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from upipe_dtensor.kernels.merge import accumulator
+from upipe_dtensor.kernels.merge import accumulation_dtype, accumulator
 from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
 from upipe_dtensor.parallel.all_to_all import (
     Exchange,
@@ -58,6 +58,12 @@ def _add_product(target: Tensor, a: Tensor, b: Tensor) -> None:
         target.view(-1, target.shape[-1]).addmm_(a, b)
     else:
         target.add_((a @ b).view_as(target))
+
+
+def _nbytes(like: Tensor, summed: bool) -> int:
+    """Bytes of ``kernels.merge.accumulator(like, summed=summed)``."""
+    dtype = accumulation_dtype(like.dtype) if summed else like.dtype
+    return like.numel() * dtype.itemsize
 
 
 def resolve_group(group_name: str, size: int) -> dist.ProcessGroup | None:
@@ -143,7 +149,8 @@ class AttentionProjections:
 
     def start_query_for_stage(self, stage: Stage, rope: Tensor) -> Exchange:
         q = self.qk.forward(self.project(self.stage_rows(self.wq, stage)), "q")
-        return self.start_to_heads(apply_rope(q, rope, self.rope_pairs))
+        q = apply_rope(q, rope, self.rope_pairs)  # the unrotated q is freed before the exchange
+        return self.start_to_heads(q)
 
     def query_for_stage(self, stage: Stage, rope: Tensor) -> Tensor:
         return self.start_query_for_stage(stage, rope).result()
@@ -181,22 +188,77 @@ class AttentionProjections:
             return buffer[:, :, first : first + len(stage.query_heads)]
         return buffer.index_select(2, _head_index(stage.query_heads, buffer.device))
 
-    def new_input_grad(self, like: Tensor) -> Tensor:
-        """Zeros for the layer's dx, shaped like ``like`` (this span's x), to add the products
-        through wk and wv (two per KV block) and through wq (one for all query heads) into. Each
-        product rounds once in x's dtype, which is kept up to the unsharded model's
-        ``UNSHARDED_DX_ROUNDINGS`` (one or two KV blocks, as for Llama3 and Qwen3 with
-        n_kv_heads <= 2 C_h); more (e.g. MHA at U = C_h) are summed in float32."""
-        products = 2 * self.schedule.n_kv_blocks + 1
-        return accumulator(like, summed=products > UNSHARDED_DX_ROUNDINGS)
+    def query_grads_wait(self, x: Tensor, output_is_scratch: bool, chunks: int = 1) -> bool:
+        """Whether the query gradients wait, each stage's in its heads of one (B, L, H, d)
+        buffer, for one product into dx and dwq after the last stage (``queries_backward``),
+        rather than go into dx and dwq as each stage's arrives (``store_query_grad``): the
+        order that holds fewer bytes while the stages run, for the local shard ``x``.
 
-    def store_query_grad(self, grad_q: Exchange, stage: Stage, rope: Tensor, grads: Tensor) -> None:
+        Waiting holds that buffer, free when the saved output is scratch
+        (``AttentionParams.output_is_scratch``: under activation checkpointing, every
+        long-context recipe), else N*H*d*b; and dx, when dx exists before the last stage (more
+        than one KV block, or FPDT's chunks: each K/V chunk's products go into dx as soon as it
+        is done). It rounds dx no more often than the unsharded model. Adding at once holds dx
+        and dwq from the first stage. Without checkpointing at long context (N >> D) that is
+        less: UPipe at U = C, MHA, float32, S = 32K on 4 ranks held dx and the buffer together,
+        one N*D*4 (16 MiB) more than dx and dwq (issue 40). When N is about D, dwq is as large
+        as the buffer, and the orders tie: the queries wait."""
+        dx_early = self.schedule.n_kv_blocks > 1 or chunks > 1
+        buffer = x.numel() // self.dim * self.wq.numel() // self.dim * x.element_size()
+        waiting = (0 if output_is_scratch else buffer) + (
+            _nbytes(x, self._input_grad_summed(True)) if dx_early else 0
+        )
+        at_once = _nbytes(x, self._input_grad_summed(False)) + _nbytes(self.wq, chunks > 1)
+        return waiting <= at_once
+
+    def _input_grad_summed(self, queries_wait: bool) -> bool:
+        """Whether dx is summed in float32: more products through wk and wv (two per KV block)
+        and through wq (one for all query heads when they wait, else one per stage) than the
+        unsharded model's ``UNSHARDED_DX_ROUNDINGS`` (e.g. waiting with one or two KV blocks,
+        as for Llama3 and Qwen3 with n_kv_heads <= 2 C_h, keeps x's dtype; MHA at U = C_h does
+        not)."""
+        queries = 1 if queries_wait else len(self.schedule.stages)
+        return 2 * self.schedule.n_kv_blocks + queries > UNSHARDED_DX_ROUNDINGS
+
+    def new_input_grad(self, like: Tensor, queries_wait: bool) -> Tensor:
+        """Zeros for the layer's dx, shaped like ``like`` (this span's x), to add the products
+        through wk, wv and wq into, each rounded once (``_input_grad_summed``)."""
+        return accumulator(like, summed=self._input_grad_summed(queries_wait))
+
+    def new_query_weight_grad(self, chunks: int) -> Tensor:
+        """Zeros for dwq, (H, d, D), when the query gradients do not wait: each stage adds its
+        heads' rows, once per sequence chunk (float32 when summed over several chunks)."""
+        return accumulator(self.wq, summed=chunks > 1)
+
+    def store_query_grad(
+        self,
+        grad_q: Exchange,
+        stage: Stage,
+        rope: Tensor,
+        waiting: Tensor | None,
+        grad_x: Tensor | None,
+        grad_wq: Tensor | None,
+    ) -> None:
         """The stage's query gradient, started back to the sequence layout: once it arrives,
-        rotated back and written into the stage's heads of ``grads`` (B, L, H, d), where every
-        stage's query gradient waits for ``queries_backward``."""
+        rotated back and through the QK transform, written into the stage's heads of
+        ``waiting`` (B, L, H, d), where every stage's query gradient waits for
+        ``queries_backward``; or, without that buffer (``query_grads_wait``), added at once:
+        ``grad_x`` += dq @ wq[stage] and the stage's rows of ``grad_wq`` (H, d, D) += dq.T @ x."""
         grad = apply_rope_transpose(grad_q.result(), rope, self.rope_pairs)
         grad = self.qk.backward(lambda: self.project(self.stage_rows(self.wq, stage)), grad, "q")
-        self.write_stage(grads, stage, grad)
+        if waiting is not None:
+            self.write_stage(waiting, stage, grad)
+            return
+        heads = len(stage.query_heads)
+        grad = grad.reshape(-1, heads * self.head_dim)
+        _add_product(grad_x, grad, self.stage_rows(self.wq, stage))
+        first = stage.first_head_if_contiguous
+        if first is not None:
+            _add_product(grad_wq[first : first + heads].view(-1, self.dim), grad.t(), self.x_flat)
+        else:
+            product = (grad.t() @ self.x_flat).view(heads, self.head_dim, self.dim)
+            index = _head_index(stage.query_heads, grad_wq.device)
+            grad_wq.index_add_(0, index, product.to(grad_wq.dtype))
 
     def queries_backward(self, grads: Tensor, grad_x: Tensor) -> Tensor:
         """From every query head's gradient ``grads`` (B, L, H, d) in the model's head order:

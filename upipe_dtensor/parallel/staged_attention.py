@@ -44,7 +44,11 @@ Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = 
             when the first KV block closes and dwq after the last stage, each one product over all
             query heads: while the stages run no dx is held (planner, Llama3-8B at 3M on 8 GPUs,
             FA3, stages in turn: 48.0 GiB per GPU, where a float32 dx summed across the stages
-            planned 54.3).
+            planned 54.3). Only when that buffer would be new and dx exists while the stages
+            run anyway (more than one KV block, e.g. MHA at U = C_h, no checkpointing) and dx
+            and dwq take fewer bytes than dx and the buffer (N >> D: long context) does each
+            stage's dQ go into dx and dwq at once instead
+            (``AttentionProjections.query_grads_wait``).
   weights : a stage whose heads are not contiguous gathers its U*d rows of wq and columns of wo
             (independent of the sequence length, so negligible at long context).
   overlap : with ``overlap_stages`` (the default) stage s+1's exchanges are started before stage
@@ -185,17 +189,23 @@ def staged_backward(
     the saved output itself when it is scratch (``AttentionParams.output_is_scratch``; a stage's
     slice of it is read before its dQ is written there). dx is created when the first KV block
     closes, and dx += dQ @ wq and dwq = dQ.T @ x are one product each after the last stage, so
-    no dx is held while the stages run. A KV block's dK, dV are summed over its stages in float32
-    (``merge.add_piece``; a block of one stage keeps the kernel's own). The sums are in stage
-    order whether or not the stages overlap."""
+    no dx is held while the stages run. When the buffer would be new and dx exists while the
+    stages run anyway (more than one KV block), each stage's dQ goes into dx and dwq at once
+    instead if that holds less (``projections.AttentionProjections.query_grads_wait``; at long
+    context it does). A KV block's dK, dV are
+    summed over its stages in float32 (``merge.add_piece``; a block of one stage keeps the
+    kernel's own). The sums are in stage order whether or not the stages overlap."""
     layer = _Layer(x, weights, params, doc_ids)
     wo = weights.wo
     stages = layer.schedule.stages
     per_block = layer.schedule.stages_per_kv_block
     grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
     out = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
-    grads_q = out if params.output_is_scratch else torch.empty_like(out)
-    grad_x: Tensor | None = None  # created when the first KV block closes
+    wait = layer.query_grads_wait(x, params.output_is_scratch)
+    # Waiting, dx is created when the first KV block closes and dwq after the last stage.
+    grads_q = (out if params.output_is_scratch else torch.empty_like(out)) if wait else None
+    grad_x = None if wait else layer.new_input_grad(x, wait)
+    grad_wq = None if wait else layer.new_query_weight_grad(chunks=1)
     grad_wk, grad_wv = (torch.zeros_like(w) for w in (layer.wk, layer.wv))
     k_h = v_h = grad_k_h = grad_v_h = None
     started: _BackwardInputs | None = None
@@ -204,7 +214,7 @@ def staged_backward(
     def finish_query() -> None:
         nonlocal returning
         if returning is not None:
-            layer.store_query_grad(returning[1], returning[0], rope, grads_q)
+            layer.store_query_grad(returning[1], returning[0], rope, grads_q, grad_x, grad_wq)
             returning = None
 
     for index, stage in enumerate(stages):
@@ -243,11 +253,12 @@ def staged_backward(
         if stage.closes_kv_block:
             del k_h, v_h
             if grad_x is None:
-                grad_x = layer.new_input_grad(x)
+                grad_x = layer.new_input_grad(x, wait)
             layer.kv_backward(grad_k_h, grad_v_h, stage.kv_block, rope, grad_x, grad_wk, grad_wv)
             k_h = v_h = grad_k_h = grad_v_h = None
 
-    grad_wq = layer.queries_backward(grads_q, grad_x)
+    if wait:
+        grad_wq = layer.queries_backward(grads_q, grad_x)
     return grad_x.to(x.dtype), AttentionWeights(
         grad_wq.view_as(weights.wq),
         grad_wk.view_as(weights.wk),
