@@ -36,7 +36,7 @@ def _launcher_error(argv: list[str], config) -> ConfigError | None:
 
 def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
-        print(
+        print(  # the command's output: its help, as argparse prints it for the other commands
             __doc__
             + "\nOptions (--section.key value, the [section] key of the TOML file):\n"
             + config_help()

@@ -210,14 +210,6 @@ def test_config_folder_is_not_a_file(tmp_path: Path) -> None:
         load_config(str(tmp_path))
 
 
-def test_moved_configs_name_their_new_place() -> None:
-    """The debug and base jobs moved from recipes/ to train_configs/: the old path says where."""
-    with pytest.raises(ConfigError, match=r"it moved to train_configs/debug_model.toml"):
-        parse_args(["--config", str(REPO / "recipes/debug_model.toml")])
-    with pytest.raises(ConfigError, match=r"it moved to train_configs/llama3_8b_2d_base.toml"):
-        parse_args(["--config", str(REPO / "recipes/multinode/llama3_8b_2d_base.toml")])
-
-
 def test_errors_blame_where_the_value_was_written(tmp_path: Path) -> None:
     """A value from the command line is the command line's fault, one from a base file the
     base's."""
@@ -289,7 +281,7 @@ def _bad_jobs_fail_before_the_model(rank: int, world: int, tmp: str) -> None:
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built")
 
-    trainer_module.build_llama3 = no_model
+    trainer_module.build_parallel_model = no_model
     one_document = Path(tmp) / "one.txt"
     blank = Path(tmp) / "blank.txt"
     if rank == 0:

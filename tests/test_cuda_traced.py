@@ -26,7 +26,7 @@ from upipe_dtensor.jobs.build import set_up_job
 from upipe_dtensor.kernels import backends
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.planning.step import plan_job
-from upipe_dtensor.runtime.metrics import peak_flops
+from upipe_dtensor.runtime.peak_flops import peak_flops
 
 pytestmark = pytest.mark.unit
 

@@ -26,7 +26,7 @@ import pytest
 from upipe_dtensor import plan
 from upipe_dtensor.checkpointing.job_lock import JobLock
 from upipe_dtensor.config import CP_STYLES, parse_args
-from upipe_dtensor.jobs.trainer import lr_lambda
+from upipe_dtensor.jobs.optimizer import lr_lambda
 
 pytestmark = pytest.mark.e2e
 
@@ -45,6 +45,8 @@ JOB = [
     "2",
     "--metrics.log_freq",
     "1",
+    "--metrics.enable_jsonl",
+    "true",
 ]
 
 
@@ -87,6 +89,14 @@ def _scalars(dump: Path, tag: str) -> dict[int, float]:
     steps = [e.step for e in events.Scalars(tag)]
     assert len(steps) == len(set(steps)), f"{tag}: steps logged twice: {steps}"
     return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def _jsonl_losses(dump: Path) -> dict[int, float]:
+    """The JSON-lines sink's loss by step (a replayed step's earlier line is dropped on resume)."""
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows]
+    assert steps == sorted(set(steps)), f"metrics.jsonl: steps out of order or twice: {steps}"
+    return {row["step"]: row["loss"] for row in rows}
 
 
 def _flip(path: Path, offset: int = 1 << 20, size: int = 4096) -> None:
@@ -157,6 +167,7 @@ def test_corrupt_snapshot_falls_back_to_an_older_one_or_stops(reference, tmp_pat
     assert _trained_steps(result.stdout) == list(range(STEPS - 1, more + 1))
     losses, lrs = _scalars(dump, "loss"), _scalars(dump, "lr")
     assert sorted(losses) == list(range(1, more + 1))
+    assert _jsonl_losses(dump) == losses  # both sinks: every step once (29, 30 replayed)
     # The first resumed loss depends only on the loaded state: bit-identical to the reference.
     assert losses[STEPS - 1] == reference[1][STEPS - 1]
     # Each logged rate is the one its step used, from this job's schedule (steps = 32).

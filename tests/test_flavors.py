@@ -12,7 +12,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.jobs.build import Placement
-from upipe_dtensor.jobs.parallelize import build_meshes
+from upipe_dtensor.jobs.setup import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 
 pytestmark = pytest.mark.unit

@@ -297,7 +297,7 @@ def test_trainer_starts_from_hf_and_exports_hf(tmp_path: Path, hf_folder: Path) 
     2-rank sharded model) equals the single-process conversion of the step-1 snapshot bit for bit,
     differs from the start (training happened), and transformers loads it."""
     from upipe_dtensor.data.loader import PackedTextLoader, build_tokenizer
-    from upipe_dtensor.models.llama3 import IGNORE_INDEX
+    from upipe_dtensor.models import IGNORE_INDEX
 
     run_on_ranks(
         2, _train_on_ranks, str(tmp_path / "job"), str(hf_folder), str(tmp_path / "losses.json")

@@ -6,8 +6,9 @@ nor an annotation can hide a cycle (config/schema <-> parallel/registry hid behi
 ``LAYERS`` is the order, lowest first; a module may import its own layer and those below it,
 never one above, except that an import only for annotations may name a higher layer (when it
 closes no cycle: the cycle test sees it). The ``jobs``
-package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, ``trainer``),
-which the planner rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
+package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, the trainer's
+``preflight``, ``resume``, ``optimizer``, ``export`` and its loop ``trainer``), which the planner
+rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
 gpu_check), which may ask the planner (``gpu_check`` prints the plan beside the measured step).
 ``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
 
@@ -38,7 +39,20 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checkpointing", ("checkpointing",)),
     ("config", ("config",)),
     ("data", ("data",)),
-    ("job assembly", ("jobs", "jobs.setup", "jobs.build", "jobs.parallelize", "jobs.trainer")),
+    (
+        "job assembly",
+        (
+            "jobs",
+            "jobs.setup",
+            "jobs.build",
+            "jobs.parallelize",
+            "jobs.preflight",
+            "jobs.resume",
+            "jobs.optimizer",
+            "jobs.export",
+            "jobs.trainer",
+        ),
+    ),
     ("planning", ("planning",)),
     (
         "commands",

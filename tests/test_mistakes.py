@@ -289,7 +289,7 @@ def test_hf_weights_beside_a_job_that_would_not_load_them_are_named(
 
 
 def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(
-    tmp_path: Path, capsys
+    tmp_path: Path, caplog
 ) -> None:
     """A snapshot's manifest records its model; resume, convert and evaluate compare it (their
     refusals through the real commands: tests/test_evaluate.py)."""
@@ -322,10 +322,13 @@ def test_model_settings_are_compared_key_by_key_and_old_snapshots_pass(
         else:
             with pytest.raises(ConfigError, match="does not allow"):
                 check_model_unchanged(new, accept, args, rank0=True)
-    assert (
-        f"WARNING: snapshot {new} was trained with other model settings: rope_theta = 10000.0 "
-        "there, 500000.0 in this job; using this job's" in capsys.readouterr().err
-    )
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            f"snapshot {new} was trained with other model settings: rope_theta = 10000.0 there, "
+            "500000.0 in this job; using this job's ([checkpoint] accept_model_change = true)",
+        )
+    ]
 
 
 def test_the_token_file_recipe_makes_what_evaluate_reads(tmp_path: Path, capsys) -> None:

@@ -10,7 +10,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -18,10 +17,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from upipe_dtensor.config import ConfigError, check_job, parse_args
 from upipe_dtensor.data.loader import build_tokenizer
 from upipe_dtensor.jobs.build import Placement, check_tokenizer_fits
-from upipe_dtensor.jobs.parallelize import build_meshes
+from upipe_dtensor.jobs.setup import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.memory.offload import HostOffload
-from upipe_dtensor.models import FLAVORS, ForwardPlan, Llama3
+from upipe_dtensor.models import ForwardPlan
 from upipe_dtensor.models.hf_config import model_args
 
 pytestmark = pytest.mark.unit
@@ -200,15 +199,3 @@ def test_extension_recipe_names_the_missing_weights(tmp_path: Path) -> None:
     )
     assert (args.rope_theta, args.rope_scaling_args.scaling_factor) == (500000.0, 320.0)
     assert args.rope_scaling_args.original_max_position_embeddings == 8192
-
-
-@pytest.mark.parametrize("name", [f.name for f in fields(ForwardPlan)])
-def test_a_forward_setting_on_the_model_names_the_forward_plan(name: str) -> None:
-    """The settings the model once held as attributes fail naming where they went."""
-    with torch.device("meta"):
-        model = Llama3(FLAVORS["debugmodel"])
-    moved = f"no longer holds '{name}': it is a field of the job's ForwardPlan"
-    with pytest.raises(AttributeError, match=moved):
-        setattr(model, name, 1)
-    with pytest.raises(AttributeError, match=moved):
-        getattr(model, name)

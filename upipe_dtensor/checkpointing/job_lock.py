@@ -16,6 +16,8 @@ import socket
 import time
 from pathlib import Path
 
+from upipe_dtensor.checkpointing.storage import check_writable
+from upipe_dtensor.runtime.collectives import on_rank0
 from upipe_dtensor.runtime.errors import JobError
 
 LOCK_FILE = "job.lock"
@@ -58,6 +60,24 @@ class JobLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def claim_dump_folder(dump: Path, checkpoint_folder: Path | None) -> JobLock:
+    """Rank 0 checks that the folders a job writes are writable (``checkpoint_folder``: None
+    when it saves no snapshots) and locks the dump folder; every rank raises the same
+    ``JobError`` if not (collective). Returns the lock: held on rank 0, never taken elsewhere
+    (releasing it there does nothing)."""
+    lock = JobLock(dump)
+
+    def claim() -> None:
+        fix = "fix its permissions or set [job] dump_folder (and [checkpoint] folder) elsewhere"
+        check_writable(dump, "dump folder", fix)
+        if checkpoint_folder is not None:
+            check_writable(checkpoint_folder, "checkpoint folder", fix)
+        lock.acquire()
+
+    on_rank0(claim)
+    return lock
 
 
 def _describe(holder: str) -> str:

@@ -16,7 +16,7 @@ existed are not checked.
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ from upipe_dtensor.models.hf_config import ModelArgs, shape_fields
 
 if TYPE_CHECKING:  # the config layer sits above checkpointing (tests/test_layering.py)
     from upipe_dtensor.config.schema import JobConfig
+
+logger = logging.getLogger(__name__)
 
 INFORMATIVE = ("flavor",)
 """Recorded but not compared: a flavor and an ``hf`` config.json of the same shape are the same
@@ -100,12 +102,12 @@ def check_model_unchanged(
             f"{where}: snapshot {snapshot} was trained with other model settings: "
             f"{_listed(changes)}. {fix}"
         )
-    if rank0:
-        print(
-            f"WARNING: snapshot {snapshot} was trained with other model settings: "
-            f"{_listed(changes)}; using this job's ([checkpoint] accept_model_change = true)",
-            file=sys.stderr,
-            flush=True,
+    if rank0:  # every rank compares alike: said once
+        logger.warning(
+            "snapshot %s was trained with other model settings: %s; using this job's "
+            "([checkpoint] accept_model_change = true)",
+            snapshot,
+            _listed(changes),
         )
 
 

@@ -12,17 +12,16 @@ is per data-parallel rank, so the data-parallel degree must stay the same.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -36,6 +35,8 @@ from upipe_dtensor.runtime.collectives import on_rank0
 
 if TYPE_CHECKING:  # the config layer sits above checkpointing (tests/test_layering.py)
     from upipe_dtensor.config.schema import JobConfig
+
+logger = logging.getLogger(__name__)
 
 _SNAPSHOT = re.compile(r"^step-(\d+)$")
 
@@ -125,12 +126,8 @@ def _set_aside(rejected: list[tuple[Path, str]], chosen: Path) -> None:
         while aside.exists():
             aside = aside.with_name(aside.name + "+")
         os.replace(bad, aside)
-        print(
-            f"WARNING: snapshot {bad} is damaged: {why}; renamed it to {aside.name}",
-            file=sys.stderr,
-            flush=True,
-        )
-    print(f"WARNING: falling back to the older snapshot {chosen}", file=sys.stderr, flush=True)
+        logger.warning("snapshot %s is damaged: %s; renamed it to %s", bad, why, aside.name)
+    logger.warning("falling back to the older snapshot %s", chosen)
 
 
 def check_geometry(path: Path, job: dict[str, Any]) -> None:
@@ -273,12 +270,13 @@ class Checkpointer:
             raise
         on_rank0(lambda: self._publish(partial, final))
         self.latest, self.snapshot_bytes = final, nbytes
-        if dist.get_rank() == 0:
-            print(
-                f"saved step-{step} to {final} ({human(nbytes)} in "
-                f"{time.perf_counter() - began:.1f} s)",
-                flush=True,
-            )
+        logger.info(
+            "saved step-%d to %s (%s in %.1f s)",
+            step,
+            final,
+            human(nbytes),
+            time.perf_counter() - began,
+        )
         return final
 
     def _publish(self, partial: Path, final: Path) -> None:

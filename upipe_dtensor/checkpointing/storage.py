@@ -59,9 +59,10 @@ def free_bytes(folder: Path) -> int:
 
 def space_report(
     folder: Path, snapshot_bytes: int, keep_latest_k: int, kept: int, saves_left: int
-) -> str:
-    """One line: free space against what the remaining saves need. Raises ``JobError`` if not even
-    the next snapshot fits. ``kept``: snapshots already in the folder."""
+) -> tuple[str, bool]:
+    """One line: free space against what the remaining saves need, and whether they all fit (if
+    not, the line is a warning). Raises ``JobError`` if not even the next snapshot fits.
+    ``kept``: snapshots already in the folder."""
     free = free_bytes(folder)
     at_once = keep_latest_k + 1 if keep_latest_k else kept + saves_left
     needed = snapshot_bytes * max(1, min(saves_left, at_once - kept))
@@ -81,7 +82,7 @@ def space_report(
         f"{human(snapshot_bytes)}, the remaining saves need {human(needed)} more "
         f"({kept_at_once})"
     )
-    return ("WARNING: " + line + "; a later save will run out of space") if free < needed else line
+    return (line + "; a later save will run out of space", False) if free < needed else (line, True)
 
 
 def is_out_of_space(err: BaseException) -> bool:

@@ -185,19 +185,6 @@ def _coerce(value: Any, annotation: Any, where: str, *, from_text: bool = False)
     raise ConfigError(f"{where} = {value!r} should be of type {type_name}{fix}")
 
 
-MOVED_CONFIGS = {
-    "debug_model.toml": "debug_model.toml",
-    "llama3_8b_base.toml": "llama3_8b_base.toml",
-    "llama3_32b_base.toml": "llama3_32b_base.toml",
-    "llama3_8b_long.toml": "llama3_8b_long.toml",
-    "llama3_32b_long.toml": "llama3_32b_long.toml",
-    "multinode/llama3_8b_2d_base.toml": "llama3_8b_2d_base.toml",
-    "multinode/llama3_32b_2d_base.toml": "llama3_32b_2d_base.toml",
-}
-"""Job configs that lived in recipes/ until the base and debug configs moved to train_configs/:
-recipes/<key> -> train_configs/<value>, named in the error for an old path."""
-
-
 def _read_text(path: Path, shown: str) -> str:
     """A job file's text: TOML is UTF-8, so another encoding (a UTF-16 file, as some Windows
     editors save) or an unreadable file is a ``ConfigError`` naming the fix."""
@@ -240,8 +227,6 @@ def _read_toml(
             if extended_by
             else "pass --config PATH to a .toml job file"
         )
-        if moved := MOVED_CONFIGS.get(path.as_posix().split("/recipes/")[-1]):
-            fix = f"it moved to train_configs/{moved}: use that path"
         raise ConfigError(f"{extended_by}config file {shown} does not exist; {fix}")
     if path in seen:
         raise ConfigError(f"{shown}: 'extends' cycle through {' -> '.join(map(_shown, seen))}")

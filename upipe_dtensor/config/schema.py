@@ -350,11 +350,18 @@ class Checkpoint:
 @dataclass
 class Metrics:
     log_freq: int = 1
-    """Print a metrics line every this many steps."""
+    """Log a metrics line every this many steps (every step's scalars go to the sinks)."""
     enable_tensorboard: bool = True
     """Write the same scalars as tensorboard events."""
     save_tb_folder: str = "tb"
     """Sub-folder of job.dump_folder for tensorboard events."""
+    enable_jsonl: bool = False
+    """Append the same scalars, one JSON object per step, to save_jsonl_file."""
+    save_jsonl_file: str = "metrics.jsonl"
+    """File under job.dump_folder for the JSON lines."""
+    enable_wandb: bool = False
+    """Log the same scalars to a Weights & Biases run (needs pip install wandb; the project is
+    $WANDB_PROJECT, else upipe-dtensor; wandb's own WANDB_* variables apply)."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from upipe_dtensor.data.loader import LocalDocuments, Tokenizer, job_tokenizer
 from upipe_dtensor.data.mixture import copies_of, pack_document
 from upipe_dtensor.data.token_files import TokenFolder, is_token_folder
 from upipe_dtensor.runtime.errors import run_main
+
+logger = logging.getLogger(__name__)
 
 DATA_KEYS = (
     "training.dataset",
@@ -225,11 +228,12 @@ def report(config_file: str, overrides: list[str], png: str | None, *, overwrite
     title = f"{config.config_file}: {len(rows)} source{'s' * (len(rows) != 1)}"
     with writing_file(picture, overwrite=overwrite) as temporary:
         plot_lengths(bins, temporary, title)
+    # The command's output, on stdout whatever the log settings: the report, then its JSON line.
     print(
         f"{title} (tokens include BOS and EOS; pass every: mixture tokens per pass over a source)"
     )
-    print("\n".join(format_report(rows, bins)))
-    print(f"wrote {picture}")
+    print("\n".join(format_report(rows, bins)), flush=True)
+    logger.info("wrote %s", picture)
     print(json.dumps({"sources": rows, "lengths": bins, "png": str(picture)}), flush=True)
 
 

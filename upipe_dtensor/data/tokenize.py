@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import multiprocessing
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -61,6 +61,8 @@ from upipe_dtensor.data.token_files import (
     tokenizer_identity,
 )
 from upipe_dtensor.runtime.errors import run_main
+
+logger = logging.getLogger(__name__)
 
 BATCH_CHARACTERS = 2**20
 """Text per piece handed to a worker: large enough that handing it over costs little against
@@ -243,7 +245,7 @@ def tokenize(
         nonlocal last
         if time.perf_counter() - last >= PROGRESS_SECONDS:
             last = time.perf_counter()
-            print(f"tokenized {_progress(started, writer, counter.characters)}", flush=True)
+            logger.info("tokenized %s", _progress(started, writer, counter.characters))
 
     try:
         try:
@@ -271,15 +273,19 @@ def tokenize(
         writer.close()
     seconds = time.perf_counter() - started
     if counter.bad_count:
-        print(
-            f"skipped {counter.bad_count:,} bad records ([training] skip_bad_records = true): "
-            + "; ".join(counter.bad),
-            file=sys.stderr,
+        logger.warning(
+            "skipped %s bad records ([training] skip_bad_records = true): %s",
+            f"{counter.bad_count:,}",
+            "; ".join(counter.bad),
         )
     summary = _progress(started, writer, counter.characters)
-    print(
-        f"wrote {folder}{kept_note(kept, 'tokenize')}: {summary}; {writer.dtype.name} tokens. "
-        f"Train on it with [training] dataset_path = '{folder}'"
+    logger.info(
+        "wrote %s%s: %s; %s tokens. Train on it with [training] dataset_path = '%s'",
+        folder,
+        kept_note(kept, "tokenize"),
+        summary,
+        writer.dtype.name,
+        folder,
     )
     return {
         "output": str(folder),
@@ -325,6 +331,6 @@ def main(argv: list[str]) -> int:
             workers=args.workers,
             overwrite=args.overwrite,
         )
-        print(json.dumps(result), flush=True)
+        print(json.dumps(result), flush=True)  # the command's output: its result, one JSON line
 
     return run_main(work)

@@ -24,6 +24,7 @@ same Hugging Face folder from the sharded model, each rank writing its own shard
 from __future__ import annotations
 
 import argparse
+import logging
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from upipe_dtensor.jobs.parallelize import DTYPES
 from upipe_dtensor.models import LongContextModel, family_of
 from upipe_dtensor.models.hf_config import args_from_hf, model_args, read_hf_config
 from upipe_dtensor.runtime.errors import run_main
+
+logger = logging.getLogger(__name__)
 
 
 def _empty_model(args) -> LongContextModel:
@@ -165,4 +168,4 @@ def _convert(args: argparse.Namespace, rest: list[str]) -> None:
                 f"--to dcp reads everything from {args.source}; unexpected {unexpected}"
             )
         message = to_dcp(args.source, args.target, overwrite=args.overwrite)
-    print(message)
+    logger.info(message)

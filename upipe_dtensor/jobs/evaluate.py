@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -45,10 +46,12 @@ from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, JobConfig, parse_a
 from upipe_dtensor.jobs import retrieval
 from upipe_dtensor.jobs.build import ParallelModel
 from upipe_dtensor.jobs.eval_common import load_job_model, weights_tag, write_outputs
+from upipe_dtensor.models import IGNORE_INDEX
 from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.models.llama3 import IGNORE_INDEX
 from upipe_dtensor.runtime.collectives import on_rank0
 from upipe_dtensor.runtime.errors import run_main
+
+logger = logging.getLogger(__name__)
 
 OUTPUT_FIX = (
     "an earlier run on the same tokens, weights and mask wrote it: pass --overwrite to replace "
@@ -275,11 +278,10 @@ def evaluate(
             lambda path: plot_loss_by_position(sums, rows, result, path, title),
             overwrite=overwrite,
         )
-        print(
-            f"evaluated {source} on {rows} x {seq_len} tokens; wrote {paths[0]} and {paths[1]}",
-            flush=True,
+        logger.info(
+            "evaluated %s on %d x %d tokens; wrote %s and %s", source, rows, seq_len, *paths
         )
-        print(json.dumps(result), flush=True)
+        print(json.dumps(result), flush=True)  # the command's output: its result, one JSON line
 
 
 def _vocab_size(config: JobConfig) -> int:

@@ -331,7 +331,7 @@ def run(device: str, outdir: Path, budget_s: float, only: list[str] | None = Non
             report["total_s"] = time.monotonic() - began
             (outdir / "report.json").write_text(json.dumps(report, indent=1))
             (outdir / "report.md").write_text(render(report))
-    print(render(report), flush=True)
+    print(render(report), flush=True)  # the command's output: report.md, also on stdout
     return report
 
 

@@ -474,6 +474,7 @@ def run(args: argparse.Namespace) -> None:
         failure = f"failed: {_one_line(step_failure)}" if step_failure is not None else ""
         if args.step and shared:
             failure = f"not run: {world} ranks share the GPU(s); --stand-in measures the step"
+        # The command's output: the table to paste into an issue (its log lines: stderr).
         print(render(world, args.device, parity, skipped, step_row, failure, backend), flush=True)
         if args.json:
             results = {
@@ -520,7 +521,7 @@ def main(argv: list[str]) -> int:
             parser.error(
                 f"{overrides or ['--config']}: job files and overrides go with --stand-in/--rates"
             )
-        return run_main(lambda: run(args))
+        return run_main(lambda: run(args), report_on_stdout=True)
     if args.stand_in and args.rates:
         parser.error("--stand-in and --rates are two runs: give one")
     if not args.config:
@@ -532,9 +533,12 @@ def main(argv: list[str]) -> int:
             parser.error(f"unrecognized option {arg}; --section.key value overrides the job file")
     job = ["--config", args.config, *overrides]
     if args.rates:
-        return run_main(lambda: kernel_rates.run(job, args.device, args.json))
+        return run_main(
+            lambda: kernel_rates.run(job, args.device, args.json), report_on_stdout=True
+        )
     return run_main(
         lambda: stand_in.run(
             job, args.device, args.steps, args.world_size, args.plan, args.json, args.profile
-        )
+        ),
+        report_on_stdout=True,
     )

@@ -373,7 +373,7 @@ def run(argv: list[str], device_type: str, json_path: str | None = None) -> dict
     if device_type == "cuda":
         torch.cuda.set_device(device)
     result = measure(config, device)
-    print("\n".join(render(result)), flush=True)
+    print("\n".join(render(result)), flush=True)  # the command's output: the rates table
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
     return result

@@ -26,8 +26,6 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
 from upipe_dtensor.jobs.setup import JobSetup
-from upipe_dtensor.jobs.setup import ParallelMeshes as ParallelMeshes  # re-exported: their old
-from upipe_dtensor.jobs.setup import build_meshes as build_meshes  # home, which callers import
 from upipe_dtensor.kernels.fused import use_backend as use_fused_backend
 from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.kept_attention import KeptAttention

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import random
 import re
@@ -53,7 +54,9 @@ from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, Tokenizer, j
 from upipe_dtensor.data.token_files import is_token_folder
 from upipe_dtensor.jobs.build import ParallelModel
 from upipe_dtensor.jobs.eval_common import load_job_model, weights_tag, write_outputs
-from upipe_dtensor.models.llama3 import IGNORE_INDEX
+from upipe_dtensor.models import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 _UNITS = {"": 1, "K": 1024, "M": 1024 * 1024}
@@ -61,6 +64,7 @@ OUTPUT_FIX = (
     "an earlier run of this task on the same weights wrote it: pass --overwrite to replace it, "
     "or move it away"
 )
+
 _KEYS = ("apple", "river", "violin", "copper", "harbor", "meadow", "lantern", "glacier")
 """Needle keys (RULER draws a word; any word the question can name works)."""
 
@@ -495,5 +499,7 @@ def evaluate_task(config_file: str, request: TaskRequest, overrides: list[str]) 
         lambda path: plot_heatmap(cells, path, title),
         overwrite=request.overwrite,
     )
-    print(f"evaluated {source} on {len(prompts)} {request.task} prompts; wrote {paths[0]}")
-    print(json.dumps(result), flush=True)
+    logger.info(
+        "evaluated %s on %d %s prompts; wrote %s", source, len(prompts), request.task, paths[0]
+    )
+    print(json.dumps(result), flush=True)  # the command's output: its result, one JSON line

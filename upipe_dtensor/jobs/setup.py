@@ -40,6 +40,18 @@ class ParallelMeshes:
         """The (cp_ring, cp_heads) mesh of 2D context parallelism."""
         return self.world["cp_ring", "cp_heads"]
 
+    def describe_rank_groups(self) -> str:
+        """The 2D layout in global ranks, for the start-up log: the head groups (all-to-all)
+        should each be one node's ranks and every ring group should join the nodes; torchrun
+        numbers ranks node by node, so a wrong launch shows here."""
+        ranks = self.world.mesh  # (dp_shard, cp_ring, cp_heads) global ranks
+        dp, ring, heads = ranks.shape
+        return (
+            f"mesh dp_shard {dp} x cp_ring {ring} x cp_heads {heads}: head groups (all-to-all, "
+            f"inside a node) {ranks.flatten(0, 1).tolist()}, ring groups (across nodes) "
+            f"{ranks.transpose(1, 2).flatten(0, 1).tolist()}"
+        )
+
 
 def build_meshes(device_type: str, dp_shard: int, cp: int, ring: int = 1) -> ParallelMeshes:
     world = init_device_mesh(

@@ -42,9 +42,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -68,6 +68,8 @@ from upipe_dtensor.runtime.fake_process_group import (
     keep_fsdp_gradients_finite,
     local_data_in_fake_collectives,
 )
+
+logger = logging.getLogger(__name__)
 
 GiB = 2**30
 HOST_SHARE = 0.9
@@ -254,14 +256,14 @@ class Measured:
 def _one_step(
     trainer: Trainer, batches, device: torch.device, what: str
 ) -> tuple[float, float, float]:
-    """One training step, timed to its last kernel; a progress line on stderr (a run stopped at
-    its time limit has told how far it got)."""
+    """One training step, timed to its last kernel; a progress line, logged to stderr (the
+    command's stdout is its report): a run stopped at its time limit has told how far it got."""
     began = time.perf_counter()
     loss, grad_norm = trainer.train_step(batches)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - began
-    print(f"stand-in: {what}: {seconds:.2f} s, loss {float(loss):.4g}", file=sys.stderr, flush=True)
+    logger.info("stand-in: %s: %.2f s, loss %.4g", what, seconds, float(loss))
     return seconds, float(loss), float(grad_norm)
 
 
@@ -554,12 +556,16 @@ def run(
     if profile_path and device.type == "cpu":
         priced = plan_job(config, Budget(), world, target="cpu", profile=load_profile(profile_path))
         plan["speed"] = priced.as_dict()["speed"]
-    print(f"stand-in: plan {plan['source']}: tracked peak {plan['tracked_peak_bytes'] / GiB:.2f} "
-          f"GiB, {plan['attention_backend']} attention", file=sys.stderr, flush=True)  # fmt: skip
+    logger.info(
+        "stand-in: plan %s: tracked peak %.2f GiB, %s attention",
+        plan["source"],
+        plan["tracked_peak_bytes"] / GiB,
+        plan["attention_backend"],
+    )
     refuse_what_does_not_fit(plan, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result, lines = report(config, world, plan, measure(config, world, device, steps), name)
-    print("\n".join(lines), flush=True)
+    print("\n".join(lines), flush=True)  # the command's output: the measured-vs-planned report
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
     return result

@@ -4,15 +4,19 @@ Each context-parallel rank feeds its contiguous 1/C slice of every sequence. The
 global mean over all tokens of the step on all ranks: each rank backpropagates its shard's token
 sum divided by the global token count (times the FSDP world size, since FSDP2 averages gradients
 over dp_shard x cp), so gradients and the logged loss equal a single-device run on the same batch.
+
+The loop calls the modules that own everything else: ``preflight`` (the checks before the model),
+``resume`` (the snapshot to resume from, the checkpointer), ``optimizer`` (AdamW and the LR
+schedule), ``export`` (the Hugging Face folder after the last step), ``runtime.metrics`` (the
+step line and the sinks) and ``runtime.shutdown`` (stop signals).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -20,72 +24,31 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from upipe_dtensor.checkpointing.job_lock import JobLock
-from upipe_dtensor.checkpointing.manifest import read_manifest
-from upipe_dtensor.checkpointing.model_record import check_model_unchanged, model_record
-from upipe_dtensor.checkpointing.outputs import refuse_nonempty
-from upipe_dtensor.checkpointing.snapshots import (
-    Checkpointer,
-    choose_snapshot,
-    resume_candidates,
-    snapshots,
+from upipe_dtensor.checkpointing.job_lock import JobLock, claim_dump_folder
+from upipe_dtensor.config import JobConfig
+from upipe_dtensor.data.checks import data_fingerprint
+from upipe_dtensor.jobs.build import build_parallel_model, load_initial_weights, set_up_job
+from upipe_dtensor.jobs.export import export_hf
+from upipe_dtensor.jobs.optimizer import build_lr_scheduler, build_optimizer, follow_schedule
+from upipe_dtensor.jobs.parallelize import compile_report, describe_cp_style
+from upipe_dtensor.jobs.preflight import check_before_process_group, checked_loader
+from upipe_dtensor.jobs.resume import (
+    check_resumable,
+    choose_resume,
+    job_checkpointer,
+    job_geometry,
+    resume_hint,
+    snapshot_step,
 )
-from upipe_dtensor.checkpointing.storage import (
-    check_writable,
-    snapshot_bytes_estimate,
-    space_report,
-)
-from upipe_dtensor.checkpointing.weights import save_hf_weights, unloaded_hf_weights
-from upipe_dtensor.config import ConfigError, JobConfig, check_job
-from upipe_dtensor.data.checks import (
-    BAD_RECORDS_FIX,
-    DataScan,
-    data_changes,
-    data_fingerprint,
-    scan_sources,
-)
-from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
-from upipe_dtensor.data.startup_warnings import data_warnings
-from upipe_dtensor.jobs.build import (
-    JobSetup,
-    Placement,
-    build_parallel_model,
-    load_initial_weights,
-    set_up_job,
-)
-from upipe_dtensor.jobs.parallelize import (
-    DTYPES,
-    ParallelMeshes,
-    compile_report,
-    describe_cp_style,
-)
-from upipe_dtensor.models import flops_per_token
-from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.models.llama3 import IGNORE_INDEX
-from upipe_dtensor.runtime.collectives import gather_dicts, on_every_rank, on_rank0
+from upipe_dtensor.jobs.setup import Placement
+from upipe_dtensor.models import IGNORE_INDEX, flops_per_token
+from upipe_dtensor.runtime.collectives import gather_dicts, on_every_rank
 from upipe_dtensor.runtime.errors import JobError, JobStopped
-from upipe_dtensor.runtime.metrics import MetricsLogger
+from upipe_dtensor.runtime.metrics import MetricsLogger, open_sinks
 from upipe_dtensor.runtime.rank_deaths import is_communication_failure, rank_processes
 from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
 
 logger = logging.getLogger(__name__)
-
-
-def lr_lambda(config: JobConfig):
-    """Linear warmup to the peak, then linear or cosine decay to ``min_lr_factor`` at the end."""
-    warmup = config.lr_scheduler.warmup_steps
-    total = config.training.steps
-    decay_type = config.lr_scheduler.decay_type
-    floor = config.lr_scheduler.min_lr_factor
-
-    def factor(step: int) -> float:  # LambdaLR's step counts completed optimizer steps
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        shape = 1 - progress if decay_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-        return floor + (1 - floor) * shape
-
-    return factor
 
 
 class Trainer:
@@ -112,146 +75,71 @@ class Trainer:
         ``build.check_tokenizer_fits``)."""
         self.config = config
         # A real job checks its data first; the planner lays out fake ranks and reads no data.
-        scan = _check_before_process_group(config) if placement.meshes is None else None
+        scan = check_before_process_group(config) if placement.meshes is None else None
         self.setup = setup = set_up_job(config, placement, exact_tokenizer=exact_tokenizer)
         self.device = setup.device
-        self.dataloader = on_every_rank(lambda: _build_loader(config, setup))
+        self.dataloader = on_every_rank(lambda: checked_loader(config, setup))
         self.data_fingerprint = data_fingerprint(
             self.dataloader.documents.description, scan.files if scan else None
         )
-        dump = Path(config.job.dump_folder)
-        checkpoint_folder = dump / config.checkpoint.folder
-        self.lock = _claim(config, dump, checkpoint_folder)
+        self.dump = Path(config.job.dump_folder)
+        self.checkpoint_folder = self.dump / config.checkpoint.folder
+        metrics = config.metrics
+        self.lock: JobLock | None = None
+        if (
+            config.checkpoint.enable
+            or metrics.enable_tensorboard
+            or metrics.enable_jsonl
+            or (metrics.enable_wandb)
+        ):  # else nothing is written (as in the planner): nothing to claim
+            folder = self.checkpoint_folder if config.checkpoint.enable else None
+            self.lock = claim_dump_folder(self.dump, folder)
         try:
-            self._build(dump, checkpoint_folder)
+            self._build()
         except BaseException:
             self.close()
             raise
 
-    def _build(self, dump: Path, checkpoint_folder: Path) -> None:
+    def _build(self) -> None:
         """Everything after the dump folder is claimed: the snapshot to resume from, the model,
-        the optimizer, the checkpointer and the metrics."""
-        config, training, setup = self.config, self.config.training, self.setup
-        job = {
-            "dp": setup.dp,
-            "cp": setup.cp,
-            "world_size": setup.world_size,
-            "cp_style": config.parallelism.cp_style,
-        }
-        self.resume_from = (
-            choose_snapshot(
-                checkpoint_folder,
-                resume_candidates(config, checkpoint_folder),
-                explicit=config.checkpoint.load_step != -1,
-                job=job,
-            )
-            if config.checkpoint.enable
-            else None
+        the optimizer and the checkpointer."""
+        config, setup = self.config, self.setup
+        self.resume_from = choose_resume(
+            config, self.checkpoint_folder, job_geometry(config, setup)
         )
-        self.start_step = _snapshot_step(self.resume_from) if self.resume_from else 0
+        self.start_step = snapshot_step(self.resume_from) if self.resume_from else 0
         if self.resume_from is not None:
-            args = model_args(config.model, training.seq_len)
-            check_model_unchanged(self.resume_from, config, args, rank0=dist.get_rank() == 0)
-            on_every_rank(lambda: self._check_data_unchanged(self.resume_from))
-
+            check_resumable(self.resume_from, setup, self.data_fingerprint, self.dataloader)
         self.parallel = built = build_parallel_model(config, setup)
         self.model, self.cp_style, self.host_offload = (
             built.model,
             built.cp_style,
             built.host_offload,
         )
-        self.flops_per_token = flops_per_token(self.model, self.model.model_args, training.seq_len)
-
-        opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=opt.lr,
-            betas=(opt.beta1, opt.beta2),
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            # The fused kernel needs the parameters on the GPU (not so under FSDP CPU offload).
-            fused=self.device.type == "cuda" and not training.enable_cpu_offload,
+        self.flops_per_token = flops_per_token(
+            self.model, self.model.model_args, config.training.seq_len
         )
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.optimizer = build_optimizer(self.model, config, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
         self.checkpointer = None
         if config.checkpoint.enable:
-            self.checkpointer = Checkpointer(
-                str(checkpoint_folder),
-                interval=config.checkpoint.interval,
-                keep_latest_k=config.checkpoint.keep_latest_k,
+            self.checkpointer = job_checkpointer(
+                config,
+                setup,
+                self.checkpoint_folder,
                 model=self.model,
                 optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler,
                 dataloader=self.dataloader,
-                dp_rank=setup.dp_rank,
-                job=job,
                 data=self._data_record,
-                model_settings=model_record(config, self.model.model_args),
+                start_step=self.start_step,
             )
-            self.checkpointer.snapshot_bytes = snapshot_bytes_estimate(self.model)
-            report = on_rank0(
-                lambda: space_report(
-                    checkpoint_folder,
-                    self.checkpointer.snapshot_bytes,
-                    config.checkpoint.keep_latest_k,
-                    kept=len(snapshots(checkpoint_folder)),
-                    saves_left=self._saves_left(),
-                )
-            )
-            if dist.get_rank() == 0:
-                print(
-                    report,
-                    file=sys.stderr if report.startswith("WARNING") else sys.stdout,
-                    flush=True,
-                )
-        self.metrics = MetricsLogger(
-            log_dir=str(dump / config.metrics.save_tb_folder)
-            if config.metrics.enable_tensorboard
-            else None,
-            log_freq=config.metrics.log_freq,
-            device=self.device,
-            flops_per_token=self.flops_per_token,
-            world_size=setup.world_size,
-            enabled=dist.get_rank() == 0,
-            first_step=self.start_step + 1,
-        )
 
     def _data_record(self) -> dict:
         """The fingerprint of the data consumed, for a snapshot's manifest (collective): the
         files as the job found them and, per data-parallel rank, what it has read."""
         read = gather_dicts({str(self.setup.dp_rank): self.dataloader.read_state()})
         return {**self.data_fingerprint, "read": read}
-
-    def _check_data_unchanged(self, snapshot: Path) -> None:
-        """Refuse to resume on data other than the snapshot consumed (unless [checkpoint]
-        accept_data_change): the loader's position is a document index, which on other data
-        points elsewhere. Snapshots written before fingerprints existed are not checked."""
-        saved = (read_manifest(snapshot) or {}).get("data")
-        if saved is None:
-            return
-        changes = data_changes(
-            saved, self.data_fingerprint, self.setup.dp_rank, self.dataloader.documents
-        )
-        if not changes:
-            return
-        if not self.config.checkpoint.accept_data_change:
-            raise ConfigError(
-                f"the training data changed since snapshot {snapshot} was saved: {changes}. "
-                "Restore the data, or set [checkpoint] accept_data_change = true to resume on the "
-                "data as it is now, or set another [job] dump_folder to start over"
-            )
-        if dist.get_rank() == 0:
-            print(
-                f"WARNING: the training data changed since snapshot {snapshot} was saved: "
-                f"{changes}; resuming on it ([checkpoint] accept_data_change = true)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def _saves_left(self) -> int:
-        interval, steps = self.config.checkpoint.interval, self.config.training.steps
-        periodic = steps // interval - self.start_step // interval
-        return periodic + (steps % interval != 0)
 
     def shard_sequence(self, batch: torch.Tensor) -> torch.Tensor:
         """This CP rank's tokens of every sequence (dim 1), in the order its CP style expects."""
@@ -285,22 +173,6 @@ class Trainer:
         dist.all_reduce(loss_sum)
         return loss_sum / tokens, grad_norm
 
-    def export_hf(self, step: int) -> str:
-        """Write the model as a Hugging Face folder, {checkpoint folder}/step-N-hf; returns it."""
-        config = self.config
-        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder, f"step-{step}-hf")
-        save_hf_weights(
-            self.model,
-            self.model.model_args,
-            folder,
-            dtype=DTYPES[config.checkpoint.export_dtype],
-            base_folder=config.model.hf_assets_path,
-            tokenizer_folder=config.model.tokenizer_folder,
-        )
-        if dist.get_rank() == 0:
-            print(f"wrote the Hugging Face model to {folder}", flush=True)
-        return folder
-
     def describe(self, weights: str) -> str:
         """The start-up line: the job as it will actually run. The config's free-text description
         comes last, quoted; when the command line overrides the model, the sequence length or the
@@ -325,99 +197,106 @@ class Trainer:
         ``JobStopped`` after SIGTERM, SIGUSR1 or Ctrl-C (a snapshot is saved at the step
         boundary; a second Ctrl-C exits at once, ``shutdown.StopRequests``)."""
         training = self.config.training
-        tokens_per_step = (
-            training.seq_len
-            * training.local_batch_size
-            * training.gradient_accumulation_steps
-            * (self.setup.world_size // self.setup.cp)
-        )
         stop = StopRequests(
             self.config.job.stop_grace_seconds,
-            self._resume_hint(),
+            resume_hint(self.checkpointer),
             standing_step=self.start_step,
             peers=rank_processes(),
         )
         watch_launcher()
+        self.metrics: MetricsLogger | None = None
         try:
+            self.metrics = self._metrics()
             start = 0
             if self.resume_from is not None:
                 start = self.checkpointer.load(self.resume_from)
-                self._follow_schedule()
-                stop.standing(self._resume_hint(), start)
+                follow_schedule(self.lr_scheduler, self.config)
+                stop.standing(resume_hint(self.checkpointer), start)
                 weights = f"snapshot {self.resume_from}"
             else:
                 weights = load_initial_weights(self.parallel)
-            if dist.get_rank() == 0:
-                print(self.describe(weights), flush=True)
-                if self.config.parallelism.ring_degree > 1:
-                    print(describe_rank_groups(self.setup.meshes), flush=True)
+            logger.info(self.describe(weights))
+            if self.config.parallelism.ring_degree > 1:
+                logger.info(self.setup.meshes.describe_rank_groups())
             batches = iter(self.dataloader)
             losses = []
             try:
                 for step in range(start + 1, training.steps + 1):
                     stop.step_begins(step)
-                    losses.append(self._run_step(step, batches, stop, tokens_per_step))
+                    losses.append(self._run_step(step, batches, stop))
             except RuntimeError as err:
                 if isinstance(err, JobError) or not is_communication_failure(err):
                     raise
                 stop.failed_collective(err)  # a rank died: one line, and this rank exits
         finally:
             stop.close()
-            self.metrics.close()
+            if self.metrics is not None:
+                self.metrics.close()
             self.close()
         return losses
 
-    def _run_step(self, step: int, batches, stop: StopRequests, tokens_per_step: int) -> float:
+    def _metrics(self) -> MetricsLogger:
+        """The step line on every rank (shown on rank 0 by default, ``runtime.logs``) and
+        ``[metrics]``'s sinks on rank 0, opened when training starts (the planner, which only
+        runs steps, opens none)."""
+        config, setup = self.config, self.setup
+        sinks = (
+            open_sinks(config.metrics, self.dump, self.start_step + 1, dataclasses.asdict(config))
+            if dist.get_rank() == 0
+            else []
+        )
+        return MetricsLogger(
+            sinks=sinks,
+            log_freq=config.metrics.log_freq,
+            device=self.device,
+            flops_per_token=self.flops_per_token,
+            world_size=setup.world_size,
+        )
+
+    def _run_step(self, step: int, batches, stop: StopRequests) -> float:
         """One step with its log line, its boundary (the agreed stop signal, the snapshot, the
         export) and its loss."""
-        training = self.config.training
+        training, setup = self.config.training, self.setup
         began = time.perf_counter()
         microbatches = [next(batches) for _ in range(training.gradient_accumulation_steps)]
         lr = self.optimizer.param_groups[0]["lr"]  # this step's rate (the scheduler moves on)
         loss, grad_norm = (t.item() for t in self.train_step(microbatches))
-        if step == self.start_step + 1 and self.config.compile.enable and dist.get_rank() == 0:
-            print(compile_report(self.config.compile.backend), flush=True)
+        if step == self.start_step + 1 and self.config.compile.enable:
+            logger.info(compile_report(self.config.compile.backend))
+        scalars = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        if self.host_offload:
+            scalars["host_offload_gib"] = self.host_offload.peak_host_bytes / 2**30
         self.metrics.log(
             step,
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            tokens=tokens_per_step,
+            scalars,
+            tokens=training.seq_len
+            * training.local_batch_size
+            * training.gradient_accumulation_steps
+            * setup.dp,
             seconds=time.perf_counter() - began,
-            host_offload_bytes=self.host_offload.peak_host_bytes if self.host_offload else None,
         )
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise JobError(
                 f"step {step}: loss {loss:.4g}, grad_norm {grad_norm:.4g}: not finite; "
-                f"stopped without saving ({self._resume_hint()}). Lower [optimizer] lr or "
-                "raise [lr_scheduler] warmup_steps, then run again"
+                f"stopped without saving ({resume_hint(self.checkpointer)}). Lower [optimizer] "
+                "lr or raise [lr_scheduler] warmup_steps, then run again"
             )
         signum = stop.agreed(self.device)
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(step, last=step == training.steps or bool(signum))
             if self.checkpointer.latest is not None:
-                stop.standing(self._resume_hint(), _snapshot_step(self.checkpointer.latest))
+                latest = snapshot_step(self.checkpointer.latest)
+                stop.standing(resume_hint(self.checkpointer), latest)
         if step == training.steps and self.config.checkpoint.last_save_in_hf:
-            self.export_hf(step)
+            export_hf(self.model, self.config, step)
         if signum and step < training.steps:
             raise JobStopped(
                 f"stopped by {signal.Signals(signum).name} after step {step} of "
-                f"{training.steps} ({self._resume_hint()}); run the same command to resume",
+                f"{training.steps} ({resume_hint(self.checkpointer)}); run the same command to "
+                "resume",
                 signum,
             )
         return loss
-
-    def _follow_schedule(self) -> None:
-        """Set the learning rate from this job's schedule at the resumed step: the snapshot holds
-        the rate its own ``[training] steps`` gave, which differs once steps is raised."""
-        factor = lr_lambda(self.config)(self.lr_scheduler.last_epoch)
-        for group, base_lr in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs):
-            group["lr"] = base_lr * factor
-
-    def _resume_hint(self) -> str:
-        if self.checkpointer is None:
-            return "checkpointing is off: nothing to resume from"
-        return self.checkpointer.describe_latest()
 
     def close(self) -> None:
         """Release the dump folder for the next job (also released if the process dies)."""
@@ -438,144 +317,3 @@ def _described(config: JobConfig) -> str:
     if overrides:
         return f" with {' '.join(overrides)}"
     return f": {config.job.description!r}"
-
-
-def _snapshot_step(snapshot: Path) -> int:
-    """The step a ``step-N`` snapshot folder holds."""
-    return int(snapshot.name.split("-")[1])
-
-
-def describe_rank_groups(meshes: ParallelMeshes) -> str:
-    """The 2D layout in global ranks, for the start-up log: the head groups (all-to-all) should
-    each be one node's ranks and every ring group should join the nodes; torchrun numbers ranks
-    node by node, so a wrong launch shows here."""
-    ranks = meshes.world.mesh  # (dp_shard, cp_ring, cp_heads) global ranks
-    dp, ring, heads = ranks.shape
-    return (
-        f"mesh dp_shard {dp} x cp_ring {ring} x cp_heads {heads}: head groups (all-to-all, "
-        f"inside a node) {ranks.flatten(0, 1).tolist()}, ring groups (across nodes) "
-        f"{ranks.transpose(1, 2).flatten(0, 1).tolist()}"
-    )
-
-
-def _build_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
-    """The data loader, after reading up to this rank's first document: an empty corpus or a bad
-    first record is a ConfigError now, not a traceback after the model is built."""
-    training = config.training
-    try:
-        loader = PackedTextLoader(
-            dataset=training.dataset,
-            dataset_path=training.dataset_path,
-            dataset_config_name=training.dataset_config_name,
-            split=training.dataset_split,
-            text_field=training.dataset_text_field,
-            tokenizer=setup.tokenizer,
-            seq_len=training.seq_len,
-            batch_size=training.local_batch_size,
-            dp_rank=setup.dp_rank,
-            dp_world_size=setup.dp,
-            skip_bad_records=training.skip_bad_records,
-            sources=training.sources,
-            seed=training.seed,
-        )
-        loader.check_first_document()
-    except ValueError as err:
-        keys = (
-            "training.dataset",
-            "training.dataset_config_name",
-            "training.dataset_split",
-            "training.dataset_path",
-            "training.dataset_text_field",
-            "training.sources",
-            "model.tokenizer_path",
-        )
-        raise ConfigError(f"{config.source_of(*keys)}: [training] data: {err}") from err
-    return loader
-
-
-def _check_before_process_group(config: JobConfig) -> DataScan | None:
-    """The config, the outputs, then the data, before any process group: mistakes that take no
-    reading first, then every local record (``_check_data``)."""
-    world_size = (
-        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    )
-    dp = check_job(config, world_size)
-    if config.checkpoint.last_save_in_hf:
-        folder = Path(config.job.dump_folder) / config.checkpoint.folder
-        refuse_nonempty(
-            folder / f"step-{config.training.steps}-hf",
-            "the Hugging Face export after the last step goes there and replaces nothing it did "
-            "not write: move it away, or set [checkpoint] last_save_in_hf = false",
-        )
-    _check_initial_weights(config)
-    return _check_data(config, dp)
-
-
-def _check_initial_weights(config: JobConfig) -> None:
-    """A job that starts fresh from the seed's weights beside a folder of pretrained ones says
-    which it means (``weights.unloaded_hf_weights``); a job resuming from its snapshots loads
-    neither."""
-    folder = Path(config.job.dump_folder) / config.checkpoint.folder
-    if config.checkpoint.enable and snapshots(folder):
-        return
-    if why := unloaded_hf_weights(config):
-        keys = ("model.hf_assets_path", "model.flavor", "checkpoint.initial_load_in_hf")
-        raise ConfigError(f"{config.source_of(*keys)}: {why}")
-
-
-def _check_data(config: JobConfig, dp: int) -> DataScan | None:
-    """Every record of the local training data, read once: bad records are a ConfigError naming
-    the first few by file and line, or, with [training] skip_bad_records, skipped and counted in
-    a warning; data that will train badly gets a warning line (``data.startup_warnings``). A
-    token folder is not read (its manifest stands for it). A Hugging Face dataset is only
-    probed: an unreachable Hub fails in seconds."""
-    training = config.training
-    where = config.source_of(
-        "training.dataset",
-        "training.dataset_path",
-        "training.dataset_text_field",
-        "training.sources",
-    )
-    try:
-        if training.dataset != "local":
-            if why := hub_unreachable(training.dataset):
-                raise ValueError(why)
-            return None
-        scan = scan_sources([s.path for s in training.data_sources], training.dataset_text_field)
-    except ValueError as err:
-        raise ConfigError(f"{where}: [training] data: {err}") from err
-    if scan.bad_count and not training.skip_bad_records:
-        raise ConfigError(f"{where}: [training] data: {scan.bad_summary()}; {BAD_RECORDS_FIX}")
-    if os.environ.get("RANK", "0") != "0":
-        return scan
-    if scan.bad_count:
-        print(
-            f"WARNING: skipping {scan.bad_summary()} ([training] skip_bad_records = true)",
-            file=sys.stderr,
-            flush=True,
-        )
-    try:
-        for line in data_warnings(config, scan, dp):
-            logger.warning(line)
-    except ValueError as err:  # the tokenizer, which every rank reports after set-up
-        logger.debug("no data warnings: %s", err)
-    return scan
-
-
-def _claim(config: JobConfig, dump: Path, checkpoint_folder: Path) -> JobLock | None:
-    """Rank 0 checks that the folders this job writes are writable and locks the dump folder
-    (every rank raises the same ``JobError`` if not). Nothing is written without tensorboard and
-    checkpoints (as in the planner), so then there is nothing to claim."""
-    if not (config.checkpoint.enable or config.metrics.enable_tensorboard):
-        return None
-    lock = JobLock(dump) if dist.get_rank() == 0 else None
-
-    def claim() -> None:
-        fix = "fix its permissions or set [job] dump_folder (and [checkpoint] folder) elsewhere"
-        check_writable(dump, "dump folder", fix)
-        if config.checkpoint.enable:
-            check_writable(checkpoint_folder, "checkpoint folder", fix)
-        lock.acquire()
-
-    on_rank0(claim)
-    return lock

@@ -26,10 +26,9 @@ from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAda
 
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
-from upipe_dtensor.models.long_context import IGNORE_INDEX, LongContextModel
+from upipe_dtensor.models.long_context import LongContextModel
 
-__all__ = ["IGNORE_INDEX", "FLAVORS", "Llama3", "Llama3Args", "build_llama3"]
-"""IGNORE_INDEX is re-exported: commands and tests import it from here."""
+__all__ = ["FLAVORS", "Llama3", "Llama3Args", "build_llama3"]
 
 
 @dataclass

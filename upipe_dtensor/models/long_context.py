@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +52,6 @@ class ForwardPlan:
 PLAIN = ForwardPlan()
 """Torchtitan's forward: blocks one by one, whole logits, each block derives its RoPE table."""
 
-_PLAN_FIELDS = frozenset(field.name for field in fields(ForwardPlan))
-
-
-def _moved(name: str) -> str:
-    """The error for a forward setting that used to be a model attribute."""
-    return (
-        f"the model no longer holds {name!r}: it is a field of the job's ForwardPlan "
-        f"(models.long_context.ForwardPlan), which jobs.build.ParallelModel passes to every "
-        f"forward; call the ParallelModel, or model(tokens, plan=ForwardPlan({name}=...))"
-    )
-
 
 class LongContextModel(nn.Module):
     """The long-context forward, shared by every family's model class (a mixin listed before
@@ -70,19 +59,6 @@ class LongContextModel(nn.Module):
 
     ROPE_BUFFER: str = ""
     """The buffer that holds the RoPE inverse frequencies (torchtitan's name in the family)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _PLAN_FIELDS:
-            raise AttributeError(_moved(name))
-        super().__setattr__(name, value)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in _PLAN_FIELDS:
-                raise AttributeError(_moved(name)) from None
-            raise
 
     def forward(
         self,

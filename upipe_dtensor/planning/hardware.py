@@ -37,6 +37,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from upipe_dtensor.runtime.peak_flops import PEAK_BF16_FLOPS
+
 TERA, GIGA, MICRO = 1e12, 1e9, 1e-6
 ENDS = ("slow", "central", "fast")
 
@@ -258,12 +260,16 @@ _MAMF = (
     "2048x2048x13312 (stas00/ml-engineering, compute/accelerator, MAMF table, 2026 snapshot)"
 )
 
+_H100_SXM_NAME = "NVIDIA H100 80GB HBM3"
+"""The H100 SXM as ``torch.cuda.get_device_name`` names it (H200 has the same compute)."""
+
 _HOPPER: dict[str, Range] = {
     "peak_flops": Range(
-        989 * TERA,
-        989 * TERA,
+        PEAK_BF16_FLOPS[_H100_SXM_NAME],
+        PEAK_BF16_FLOPS[_H100_SXM_NAME],
         "989 TFLOP/s dense bf16: NVIDIA H100 SXM datasheet (528 tensor cores x 1024 FLOP per "
-        "clock x 1.83 GHz; torchtitan get_peak_flops)",
+        "clock x 1.83 GHz; torchtitan get_peak_flops), the package's one peak table "
+        "(runtime.peak_flops), which the step log's MFU reads too",
         "the same datasheet figure",
         "computed at the 1980 MHz maximum clock it is 1070 (pytorch/pytorch#172523 prints "
         "1070.5 for H100); prices no work: only MFU's denominator",

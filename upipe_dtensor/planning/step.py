@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
 from upipe_dtensor.jobs.build import Placement
-from upipe_dtensor.jobs.parallelize import build_meshes, describe_cp_style
+from upipe_dtensor.jobs.parallelize import describe_cp_style
+from upipe_dtensor.jobs.setup import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
@@ -604,7 +605,9 @@ def _trace(
     config = dataclasses.replace(  # compiled blocks: inductor's graphs, replayed (docstring)
         config,
         checkpoint=dataclasses.replace(config.checkpoint, enable=False),
-        metrics=dataclasses.replace(config.metrics, enable_tensorboard=False),
+        metrics=dataclasses.replace(  # no sink: nothing written, no dump folder claimed
+            config.metrics, enable_tensorboard=False, enable_jsonl=False, enable_wandb=False
+        ),
         compile=dataclasses.replace(config.compile, backend=planned_compile.PLANNER_BACKEND),
     )
     init_fake_process_group(world_size)

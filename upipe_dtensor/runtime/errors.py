@@ -21,6 +21,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from upipe_dtensor.errors import ConfigError, JobComplete, JobError, JobStopped
+from upipe_dtensor.runtime.logs import set_up_logging
 
 __all__ = [
     "ConfigError",
@@ -30,12 +31,20 @@ __all__ = [
     "end_process",
     "report_outcome",
     "run_main",
+    "say_outcome",
 ]
 
 
 OUTCOME_WAIT = timedelta(seconds=60)
 """How long a rank waits for the rank that prints a failure it also reached, and for torchrun's
 store to answer; past it (that rank died first, the store is gone) it prints the line itself."""
+
+
+def say_outcome(message: str) -> None:
+    """The line that says why a command ends, on stderr. Printed, not logged: it is the command's
+    last word beside its exit code, which no log level or handler setting may hide
+    (``runtime.logs``); every outcome line of the package goes through here."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def report_outcome(message: str, code: int) -> int:
@@ -48,7 +57,7 @@ def report_outcome(message: str, code: int) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if code == 0 or world == 1:
         if os.environ.get("RANK", "0") == "0":
-            print(message, file=sys.stderr, flush=True)
+            say_outcome(message)
     else:
         _say_once(message)
     return code
@@ -87,19 +96,22 @@ def _say_once(message: str) -> None:
             if store.add(key, 1) > 1:
                 store.wait([f"{key}/printed"])
                 return
-            print(message, file=sys.stderr, flush=True)
+            say_outcome(message)
             store.set(f"{key}/printed", "1")
             return
         except RuntimeError:  # the printing rank died first, or the store is gone: say it here
             pass
-    print(message, file=sys.stderr, flush=True)
+    say_outcome(message)
 
 
-def run_main(work: Callable[[], object]) -> int:
+def run_main(work: Callable[[], object], *, report_on_stdout: bool = False) -> int:
     """Run a command's ``work`` and return its exit code: 0 when it returns, else the code of the
-    outcome it raised, printed in one line (``report_outcome``). The process group, if
-    the work made one, is destroyed either way."""
+    outcome it raised, printed in one line (``report_outcome``). Every command starts here, so
+    its log output is set up here, once (``runtime.logs``; ``report_on_stdout``: the command's
+    stdout is its report alone, its log lines go to stderr). The process group, if the work made
+    one, is destroyed either way."""
     try:
+        set_up_logging(report_on_stdout=report_on_stdout)
         work()
     except ConfigError as err:
         return report_outcome(f"config error: {err}", 2)

@@ -33,16 +33,17 @@ a job run without torchrun.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from upipe_dtensor.runtime.errors import say_outcome
 from upipe_dtensor.runtime.rank_deaths import (
     RankProcess,
     death_message,
@@ -50,6 +51,8 @@ from upipe_dtensor.runtime.rank_deaths import (
     gone_ranks,
     speaks_for_host,
 )
+
+logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SAME_PRESS_SECONDS = 1.0
@@ -60,10 +63,11 @@ second press."""
 
 def _exit_now(message: str, code: int, *, speak: bool = True) -> None:
     """Leave the process from any thread, even while the main thread waits in a collective;
-    ``speak``: print ``message`` first (one rank per node says it)."""
+    ``speak``: say ``message`` first, as the outcome line (``errors.say_outcome``; one rank per
+    node says it)."""
     try:
         if speak:
-            print(message, file=sys.stderr, flush=True)
+            say_outcome(message)
     finally:
         os._exit(code)
 
@@ -226,13 +230,12 @@ class StopRequests:
         )
 
     def _announce(self, signum: int) -> None:
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # every rank gets the signal: said once
             again = "; press Ctrl-C again to stop at once" if signum == signal.SIGINT else ""
-            print(
-                f"{signal.Signals(signum).name} received: finishing this step, then saving a "
-                f"snapshot and stopping{again}",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "%s received: finishing this step, then saving a snapshot and stopping%s",
+                signal.Signals(signum).name,
+                again,
             )
 
     def _expire(self) -> None:
