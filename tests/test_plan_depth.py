@@ -148,8 +148,6 @@ JOBS = {  # name: (model family, blocks, planner target, overrides)
             *STACK[:4],
             "--parallelism.cp_style",
             "ring",
-            "--parallelism.heads_per_stage",
-            "0",
             "--training.gradient_accumulation_steps",
             "2",
         ],
