@@ -2,12 +2,14 @@
 full trace's, to the byte: peak device and host bytes, what holds the peak and when, the counted
 work, the rehearsal's syncs and collectives, the predicted times.
 
-The reference is ``plan_job(..., full_trace=True)``, which traces every block. In every run: the
-recipes' stacks on the debug model made deep enough that runs of alike blocks are shortened
-(several inserted copies each), one job per style family (UPipe alone, with FPDT's chunks, 2D
-with a ring, ring and FPDT baselines), with kept attention on host and device, checkpoint pairs,
-FSDP CPU offload, block-input prefetch on and off, both model families, a CPU plan, and two
-micro-batches. With ``--slow``: every shipped recipe at its own depth (minutes each).
+The reference is ``plan_job(..., full_trace=True)``, which traces every block. In every run:
+shipped recipes with their model cut to 7-11 blocks, deep enough that runs of alike blocks are
+shortened (the inserted copies stand for the rest), one per model size (Llama3-8B, the 32B
+shape, Qwen3-8B and -32B), per style family (UPipe, Ulysses, ring, FPDT, UPipe x FPDT, 2D) and
+per stack (the base stack with device-kept attention and prefetch, the long stack with
+host-kept attention in the last blocks and FSDP CPU offload, checkpoint pairs, 2D), plus a CPU
+plan and two micro-batches. With ``--slow``: every shipped recipe at its own depth (minutes
+each).
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ import pytest
 import torch.distributed as dist
 
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.models import llama3, qwen3
+from upipe_dtensor.models import get_family
 from upipe_dtensor.planning.depth import reduce_depth
 from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = str(REPO / "train_configs/debug_model.toml")
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.toml"))
 
 
@@ -62,126 +63,57 @@ def assert_same_plan(fast: Plan, full: Plan) -> None:
     assert fast.speed.step_time_range_s == pytest.approx(full.speed.step_time_range_s, rel=1e-9)
 
 
-STACK = [
-    "--activation_checkpoint.mode",
-    "full",
-    "--activation_checkpoint.cpu_offload",
-    "true",
-    "--memory.tiled_mlp",
-    "true",
-    "--memory.mlp_tile_tokens",
-    "96",
-    "--memory.tiled_rms_norm",
-    "true",
-    "--memory.chunked_loss",
-    "true",
-    "--memory.loss_chunk_tokens",
-    "128",
-    "--compile.enable",
-    "true",
-    "--parallelism.heads_per_stage",
-    "4",
-]
-JOBS = {  # name: (model family, blocks, planner target, overrides)
-    # 8B 2M-5M: kept on the host from block 5 of 11, FSDP CPU offload, no prefetch
-    "upipe, host-kept last blocks, FSDP offload": (
-        "llama3",
+JOBS = {  # name: (shipped recipe, blocks it is cut to, planner target, overrides)
+    # Llama3-8B, UPipe with stages in turn, the long stack: host-kept attention in the last
+    # blocks, FSDP CPU offload, no block-input prefetch (2M-5M)
+    "8B 5M: upipe, host-kept last blocks, FSDP offload": (
+        "recipes/llama3_8b_5M.toml",
         11,
         "cuda",
-        [
-            *STACK[:-2],
-            "--parallelism.heads_per_stage",
-            "8",
-            "--activation_checkpoint.keep_attention",
-            "host",
-            "--activation_checkpoint.keep_attention_skip_first",
-            "5",
-            "--activation_checkpoint.cpu_offload_prefetch",
-            "false",
-            "--training.enable_cpu_offload",
-            "true",
-        ],
+        ["--activation_checkpoint.keep_attention_skip_first", "5"],
     ),
-    # 8B 8M, H200 13M, 32B 6M: UPipe x FPDT, checkpoint pairs (every pair alike: the last
-    # block's input offloaded too, no block's parameters resharded); eager
-    "upipe x fpdt, pairs, eager": (
-        "llama3",
+    # the 32B shape, UPipe x FPDT in checkpoint pairs (8M, 32B 6M, H200 13M), at 4M: two of
+    # the recipe's 2M-token chunks (each chunk pair is more work to trace)
+    "32B 6M at 4M: upipe x fpdt, pairs": (
+        "recipes/llama3_32b_6M.toml",
+        10,
+        "cuda",
+        ["--training.seq_len", "4194304"],
+    ),
+    # 2D: a ring of two head groups, on the long stack, attention recomputed
+    "8B 2D 11M: 2d": ("recipes/multinode/llama3_8b_2d_16gpu_11M.toml", 8, "cuda", []),
+    # Qwen3-32B (QK-norm, 8 KV heads on 16 ranks) with Ulysses on the 32B long stack
+    "qwen3 32B 4M: ulysses, host-kept last blocks": (
+        "recipes/qwen3_32b_4M.toml",
         10,
         "cuda",
         [
-            *STACK[:-6],
-            "--parallelism.heads_per_stage",
-            "8",
-            "--parallelism.fpdt_chunk_tokens",
-            "256",
-            "--activation_checkpoint.blocks_per_checkpoint",
-            "2",
-            "--activation_checkpoint.cpu_offload_skip_last",
-            "0",
-            "--parallelism.fsdp_reshard_after_forward",
-            "false",
-        ],
-    ),
-    # 8B 128K-1M and the 2D recipes: kept on the device, prefetch, overlapped stages, ring of 2
-    "2d, device-kept, overlapped stages": (
-        "llama3",
-        9,
-        "cuda",
-        [
-            *STACK,
-            "--parallelism.context_parallel_degree",
+            "--parallelism.cp_style",
+            "ulysses",
+            "--activation_checkpoint.keep_attention_skip_first",
             "4",
-            "--parallelism.ring_degree",
-            "2",
-            "--activation_checkpoint.keep_attention",
-            "device",
-            "--parallelism.overlap_stages",
-            "true",
         ],
     ),
-    # the ring baselines, Qwen3, a CPU plan, two micro-batches
-    "ring, qwen3, cpu, micro-batches": (
-        "qwen3",
+    # the FPDT baselines (one 64K-token chunk pair at 128K)
+    "8B 128K: fpdt, device-kept": ("recipes/baselines/llama3_8b_fpdt_128K.toml", 7, "cuda", []),
+    # Qwen3-8B with ring attention on the base stack (128K-1M: attention kept on the device,
+    # block-input prefetch), as the ring baselines run; a CPU plan, two micro-batches
+    "qwen3 8B 1M: ring, device-kept, prefetch, cpu, micro-batches": (
+        "recipes/qwen3_8b_1M.toml",
         8,
         "cpu",
-        [
-            *STACK[:4],
-            "--parallelism.cp_style",
-            "ring",
-            "--training.gradient_accumulation_steps",
-            "2",
-        ],
-    ),
-    # the FPDT baselines; eager
-    "fpdt, eager": (
-        "llama3",
-        6,
-        "cuda",
-        [*STACK[:-6], "--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "256"],
+        ["--parallelism.cp_style", "ring", "--training.gradient_accumulation_steps", "2"],
     ),
 }
 
 
 @pytest.mark.parametrize("job", list(JOBS))
 def test_reduced_depth_plan_is_the_full_trace(monkeypatch, job: str) -> None:
-    family, layers, target, extra = JOBS[job]
-    flavors = {"llama3": llama3.FLAVORS, "qwen3": qwen3.FLAVORS}[family]
-    monkeypatch.setitem(
-        flavors, "debugmodel", dataclasses.replace(flavors["debugmodel"], n_layers=layers)
-    )
-    config = parse_args(
-        [
-            "--config",
-            DEBUG,
-            "--model.name",
-            family,
-            "--training.seq_len",
-            "512",
-            "--training.local_batch_size",
-            "1",
-            *extra,
-        ]
-    )
+    recipe, layers, target, extra = JOBS[job]
+    config = parse_args(["--config", str(REPO / recipe), *extra])
+    flavors = get_family(config.model.name).flavors
+    flavor = config.model.flavor
+    monkeypatch.setitem(flavors, flavor, dataclasses.replace(flavors[flavor], n_layers=layers))
     reduction = reduce_depth(config)
     assert reduction is not None and reduction.traced_layers < layers, job
     assert_same_plan(
