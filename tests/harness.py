@@ -6,8 +6,12 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +33,29 @@ from upipe_dtensor.runtime.parity import (  # noqa: F401 (the tests compare as g
 )
 
 VOCAB = 64
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_command(*args: str, processes: int = 0, timeout: float = 300) -> tuple[int, str, str]:
+    """``python ARGS`` from the repository root, under ``torchrun --standalone`` with
+    ``processes`` ranks when given; in its own process group, killed whole on timeout.
+    Returns (exit code, stdout, stderr)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    process = subprocess.Popen(
+        [sys.executable, *(launcher if processes else []), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, stdout, stderr
 
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple) -> None:

@@ -5,18 +5,14 @@ checkpoint -> HF is bit-exact; the trainer's HF export loads in transformers."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from harness import gather_sequence, rel_err, run_on_ranks
+from harness import gather_sequence, rel_err, run_command, run_on_ranks
 from hf_tiny import SEQ_LEN, load_reference, random_tokens, safetensors_weights, write_tiny_hf_llama
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -58,33 +54,6 @@ def _job(dump: Path, hf: Path, *extra: str):
             *extra,
         ]
     )
-
-
-def _torchrun(processes: int, *args: str, timeout: float = 300) -> tuple[int, str, str]:
-    """Run ``torchrun --standalone`` in its own process group, killed whole on timeout."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(processes),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    return process.returncode, stdout, stderr
 
 
 def _elements_read(counter: list[int]):
@@ -182,14 +151,14 @@ def test_evaluate_under_torchrun_reports_transformers_loss(tmp_path: Path, hf_fo
         f"[checkpoint]\ninitial_load_in_hf = true\n"
         f"[metrics]\nenable_tensorboard = false\n"
     )
-    returncode, stdout, stderr = _torchrun(
-        2,
+    returncode, stdout, stderr = run_command(
         "-m",
         "upipe_dtensor.evaluate",
         "--config",
         str(job),
         "--tokens",
         str(tmp_path / "tokens.npy"),
+        processes=2,
     )
     assert returncode == 0, stderr[-3000:]
     report = json.loads(stdout.strip().splitlines()[-1])

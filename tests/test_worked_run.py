@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_command
 from hf_tiny import load_reference, safetensors_weights, write_tiny_hf_llama
 
 from upipe_dtensor.data import report, tokenize
@@ -49,22 +46,8 @@ def _documents(count: int, seed: int) -> list[str]:
 def _run(*command: str, processes: int = 0, timeout: float = 600) -> str:
     """One command as a user types it (under ``torchrun`` with ``processes``), from the repo root;
     its stdout, after asserting it succeeded."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    process = subprocess.Popen(
-        [sys.executable, *(launcher if processes else []), *command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    assert process.returncode == 0, f"{command}: {stderr[-3000:]}"
+    returncode, stdout, stderr = run_command(*command, processes=processes, timeout=timeout)
+    assert returncode == 0, f"{command}: {stderr[-3000:]}"
     return stdout
 
 

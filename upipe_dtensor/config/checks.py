@@ -274,6 +274,24 @@ def _failer(config: JobConfig):
     return fail
 
 
+DATA_KEYS = (
+    "training.dataset",
+    "training.dataset_config_name",
+    "training.dataset_split",
+    "training.dataset_path",
+    "training.dataset_text_field",
+    "training.sources",
+)
+"""The keys that choose a job's training text: an error found in the text blames where they were
+set."""
+
+
+def data_error(config: JobConfig, problem: str, *more_keys: str) -> ConfigError:
+    """An error in the training text, naming the file or flag that chose it (and ``more_keys``'
+    sources: the tokenizer's, where it read the text)."""
+    return ConfigError(f"{config.source_of(*DATA_KEYS, *more_keys)}: [training] data: {problem}")
+
+
 def check_training_data(config: JobConfig) -> None:
     """The data settings alone (``check_job`` checks them too), for commands that read the data
     without training (``data_report``)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, JobConfig, parse_args
-from upipe_dtensor.config.checks import check_training_data
+from upipe_dtensor.config.checks import check_training_data, data_error
 from upipe_dtensor.config.schema import DataSource, source_label
 from upipe_dtensor.data.loader import LocalDocuments, Tokenizer, job_tokenizer
 from upipe_dtensor.data.mixture import copies_of, pack_document
@@ -36,13 +36,6 @@ from upipe_dtensor.data.token_files import TokenFolder, is_token_folder
 from upipe_dtensor.runtime.errors import run_main
 
 logger = logging.getLogger(__name__)
-
-DATA_KEYS = (
-    "training.dataset",
-    "training.dataset_path",
-    "training.dataset_text_field",
-    "training.sources",
-)
 
 
 @dataclass
@@ -74,11 +67,12 @@ def measure_sources(config: JobConfig, tokenizer: Tokenizer) -> list[SourceLengt
                 )
                 lengths = [len(pack_document(tokenizer, text)) for text in documents]
         except ValueError as err:
-            raise ConfigError(f"{config.source_of(*DATA_KEYS)}: [training] data: {err}") from err
+            raise data_error(config, str(err)) from err
         if not lengths:
-            raise ConfigError(
-                f"{config.source_of(*DATA_KEYS)}: [training] data: {documents.description} "
-                "holds no non-blank documents; add documents or remove the source"
+            raise data_error(
+                config,
+                f"{documents.description} holds no non-blank documents; add documents or remove "
+                "the source",
             )
         measured.append(SourceLengths(source, lengths))
     return measured

@@ -41,7 +41,7 @@ import numpy as np
 
 from upipe_dtensor.checkpointing.outputs import kept_note, refuse_nonempty
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, JobConfig, parse_args
-from upipe_dtensor.config.checks import check_training_data
+from upipe_dtensor.config.checks import DATA_KEYS, check_training_data, data_error
 from upipe_dtensor.config.schema import source_label
 from upipe_dtensor.data.checks import SHOWN
 from upipe_dtensor.data.loader import (
@@ -71,14 +71,6 @@ IN_FLIGHT_PER_WORKER = 2
 """Pieces queued per worker: one tokenizing, one waiting, so no worker idles while the reader
 parses."""
 PROGRESS_SECONDS = 30.0
-DATA_KEYS = (
-    "training.dataset",
-    "training.dataset_config_name",
-    "training.dataset_split",
-    "training.dataset_path",
-    "training.dataset_text_field",
-    "training.sources",
-)
 
 
 def pack_texts(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, ...]:
@@ -173,7 +165,7 @@ def _source(config: JobConfig, number: int | None) -> tuple[LocalDocuments | Hub
             documents = LocalDocuments(path, training.dataset_text_field, key=key)
             named = {"dataset_path": path}
     except ValueError as err:
-        raise ConfigError(f"{where}: [training] data: {err}") from err
+        raise data_error(config, str(err)) from err
     return documents, {**named, "text_field": training.dataset_text_field}
 
 
@@ -252,11 +244,10 @@ def tokenize(
             texts = counter.texts(documents.records())
             _write_pieces(_pieces(texts), writer, tokenizer, workers, report)
         except ValueError as err:
-            raise ConfigError(f"{config.source_of(*DATA_KEYS)}: [training] data: {err}") from err
+            raise data_error(config, str(err)) from err
         if writer.documents == 0:
-            raise ConfigError(
-                f"{config.source_of(*DATA_KEYS)}: [training] data: {documents.description} holds "
-                "no non-blank documents; nothing to tokenize"
+            raise data_error(
+                config, f"{documents.description} holds no non-blank documents; nothing to tokenize"
             )
         record = {
             "tokenizer": tokenizer_identity(tokenizer),

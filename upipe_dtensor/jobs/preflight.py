@@ -14,6 +14,7 @@ import torch.distributed as dist
 from upipe_dtensor.checkpointing.snapshots import snapshots
 from upipe_dtensor.checkpointing.weights import unloaded_hf_weights
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
+from upipe_dtensor.config.checks import data_error
 from upipe_dtensor.data.checks import BAD_RECORDS_FIX, DataScan, scan_sources
 from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
 from upipe_dtensor.data.startup_warnings import data_warnings
@@ -22,16 +23,6 @@ from upipe_dtensor.jobs.setup import JobSetup
 from upipe_dtensor.runtime.metrics import WANDB_MISSING, wandb_missing
 
 logger = logging.getLogger(__name__)
-
-DATA_KEYS = (
-    "training.dataset",
-    "training.dataset_config_name",
-    "training.dataset_split",
-    "training.dataset_path",
-    "training.dataset_text_field",
-    "training.sources",
-    "model.tokenizer_path",
-)
 
 
 def check_before_process_group(config: JobConfig) -> DataScan | None:
@@ -68,12 +59,6 @@ def check_data(config: JobConfig, dp: int) -> DataScan | None:
     token folder is not read (its manifest stands for it). A Hugging Face dataset is only
     probed: an unreachable Hub fails in seconds. Rank 0 alone warns (every rank scans alike)."""
     training = config.training
-    where = config.source_of(
-        "training.dataset",
-        "training.dataset_path",
-        "training.dataset_text_field",
-        "training.sources",
-    )
     try:
         if training.dataset != "local":
             if why := hub_unreachable(training.dataset):
@@ -81,9 +66,9 @@ def check_data(config: JobConfig, dp: int) -> DataScan | None:
             return None
         scan = scan_sources([s.path for s in training.data_sources], training.dataset_text_field)
     except ValueError as err:
-        raise ConfigError(f"{where}: [training] data: {err}") from err
+        raise data_error(config, str(err)) from err
     if scan.bad_count and not training.skip_bad_records:
-        raise ConfigError(f"{where}: [training] data: {scan.bad_summary()}; {BAD_RECORDS_FIX}")
+        raise data_error(config, f"{scan.bad_summary()}; {BAD_RECORDS_FIX}")
     if os.environ.get("RANK", "0") != "0":
         return scan
     if scan.bad_count:
@@ -118,5 +103,5 @@ def checked_loader(config: JobConfig, setup: JobSetup) -> PackedTextLoader:
         )
         loader.check_first_document()
     except ValueError as err:
-        raise ConfigError(f"{config.source_of(*DATA_KEYS)}: [training] data: {err}") from err
+        raise data_error(config, str(err), "model.tokenizer_path") from err
     return loader
