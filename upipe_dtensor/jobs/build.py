@@ -9,6 +9,7 @@ materialised (never the whole model on one rank).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -142,6 +143,8 @@ def set_up_job(
     )
     dp = check_job(config, world_size)  # before any process group or allocation
     args = model_args(config.model, config.training.seq_len)
+    if placement.n_layers is not None:
+        args = dataclasses.replace(args, n_layers=placement.n_layers)
     tokenizer = job_tokenizer(config)
     check_tokenizer_fits(config, tokenizer, args, exact=exact_tokenizer)
     configure_allocator(config)

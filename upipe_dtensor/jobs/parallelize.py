@@ -89,6 +89,19 @@ def describe_cp_style(parallelism: Parallelism, n_heads: int) -> str:
     return parallelism.style.describe(parallelism.options, n_heads, cp, ring)
 
 
+def keeps_attention(config: JobConfig, index: int) -> bool:
+    """Whether block ``index`` keeps its attention for backward's recompute
+    ([activation_checkpoint] keep_attention, from block keep_attention_skip_first on)."""
+    ac = config.activation_checkpoint
+    return ac.keep_attention != "none" and index >= ac.keep_attention_skip_first
+
+
+def reshards_after_forward(config: JobConfig, index: int, n_blocks: int) -> bool:
+    """Whether FSDP2 frees block ``index``'s gathered parameters after its forward: not the last
+    block's, which backward needs again right away."""
+    return config.parallelism.fsdp_reshard_after_forward and index < n_blocks - 1
+
+
 def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallelAttention:
     """Apply the configured CP style to every attention module; returns the style, whose
     ``shard_positions`` says which tokens each CP rank feeds. 2D (ring_degree > 1) styles get the
@@ -97,11 +110,11 @@ def apply_context_parallel(model: nn.Module, setup: JobSetup) -> ContextParallel
     kept = kept_attention(setup)
     style = make_cp_style(setup, kept)
     plan: dict[str, ParallelStyle] = {"layers.*.attention": style}
-    skip_first = setup.config.activation_checkpoint.keep_attention_skip_first
-    if kept is not None and skip_first:
+    config = setup.config
+    if kept is not None and config.activation_checkpoint.keep_attention_skip_first:
         recomputed = make_cp_style(setup, None)
         plan = {
-            f"layers.{name}.attention": recomputed if index < skip_first else style
+            f"layers.{name}.attention": style if keeps_attention(config, index) else recomputed
             for index, name in enumerate(model.layers.keys())
         }
     meshes = setup.meshes
@@ -162,11 +175,9 @@ def apply_fsdp(
         CPUOffloadPolicy(pin_memory=device.type == "cuda") if training.enable_cpu_offload else None
     )
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
-    reshard = config.parallelism.fsdp_reshard_after_forward
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
-        # The last block's parameters are needed again right away by backward: keep them.
-        shard(block, reshard_after_forward=reshard and index < len(blocks) - 1)
+        shard(block, reshard_after_forward=reshards_after_forward(config, index, len(blocks)))
     # The head as its own unit (as torchtitan does): its gradients, the output layer's above all
     # (V x D), are reduce-scattered as soon as the loss's backward is done, not at the very end.
     # It is gathered at the final norm's forward, before the loss reads the output weight.

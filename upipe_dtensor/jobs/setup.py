@@ -85,6 +85,9 @@ class Placement:
     kernel_device: str | None = None
     """The planner's "cuda": choose the CUDA kernels while the tensors are fake CPU ones, so the
     GPU step's kernel calls are traced (None: the kernels of the job's own device)."""
+    n_layers: int | None = None
+    """The planner's reduced-depth trace (``planning.depth``): build the model with this many
+    blocks (None: the model's own)."""
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,13 @@ class CheckpointGroup:
             return checkpoint(run, h, use_reentrant=False, preserve_rng_state=False)
 
 
+def offloads_group(first: int, size: int, n_blocks: int, offload_skip_last: int) -> bool:
+    """Whether the checkpoint of blocks ``first`` to ``first + size - 1`` (of ``n_blocks``)
+    parks its input in host memory: unless it holds one of the last ``offload_skip_last``
+    blocks, whose inputs backward needs first."""
+    return first + size <= n_blocks - offload_skip_last
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
@@ -143,7 +150,8 @@ def apply_activation_checkpointing(
     names = list(model.layers.keys())
     if blocks_per_checkpoint == 1:
         for position, name in enumerate(names):
-            use_offload = offload if position < len(names) - offload_skip_last else None
+            parks = offloads_group(position, 1, len(names), offload_skip_last)
+            use_offload = offload if parks else None
             model.layers[name] = checkpoint_wrapper(
                 model.layers[name],
                 checkpoint_fn=functools.partial(_checkpoint_fn, offload=use_offload),
@@ -156,6 +164,6 @@ def apply_activation_checkpointing(
             model.layers[name] = checkpoint_wrapper(
                 model.layers[name], checkpoint_fn=_checkpoint_fn
             )
-        keep_on_device = first + len(group) > len(names) - offload_skip_last
-        groups.append(CheckpointGroup(group, None if keep_on_device else offload))
+        parks = offloads_group(first, len(group), len(names), offload_skip_last)
+        groups.append(CheckpointGroup(group, offload if parks else None))
     return tuple(groups)

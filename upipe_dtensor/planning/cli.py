@@ -71,7 +71,13 @@ def _with(config: JobConfig, *, seq_len: int, cp_style: str) -> JobConfig:
 
 
 def longest_context(
-    config: JobConfig, cp_style: str, budget: Budget, world_size: int | None, log, resolution: float
+    config: JobConfig,
+    cp_style: str,
+    budget: Budget,
+    world_size: int | None,
+    log,
+    resolution: float,
+    full_trace: bool = False,
 ) -> tuple[int, list[Plan]]:
     """The longest seq_len (a multiple of 1024 * cp, to within ``resolution`` of itself) that
     fits, and every plan evaluated (``length_search``: a few secant steps from the recipe's
@@ -79,7 +85,12 @@ def longest_context(
     granule = GRANULE_TOKENS_PER_RANK * config.parallelism.context_parallel_degree
 
     def plan_at(seq_len: int) -> Plan:
-        plan = plan_job(_with(config, seq_len=seq_len, cp_style=cp_style), budget, world_size)
+        plan = plan_job(
+            _with(config, seq_len=seq_len, cp_style=cp_style),
+            budget,
+            world_size,
+            full_trace=full_trace,
+        )
         log(
             f"  {cp_style:8s} {seq_len:>12,} tokens: {plan.device_peak_bytes / GiB:7.2f} GiB "
             f"device, {plan.host_per_node_bytes / GiB:8.1f} GiB host/node -> {plan.verdict}"
@@ -314,6 +325,13 @@ def main(argv: list[str]) -> int:
         help="precision of the longest context, as a fraction of it (default: 0.03 for "
         "--sweep, one step of 1024 tokens per GPU for --max-context)",
     )
+    parser.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every block of the model (minutes for deep models); by default the step is "
+        "traced on a shallower model that shows every distinct block and stands for the full "
+        "one, to the byte (upipe_dtensor/planning/depth.py)",
+    )
     parser.add_argument("--out", default="outputs/plan", help="folder for sweep.csv and sweep.png")
     parser.add_argument(
         "--overwrite", action="store_true", help="--sweep: replace an existing sweep.csv/png"
@@ -364,7 +382,9 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
     log = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
     resolution = 0.03 if args.resolution is None else args.resolution
     results = {
-        style: longest_context(config, style, budget, args.world_size, log, resolution)
+        style: longest_context(
+            config, style, budget, args.world_size, log, resolution, args.full_trace
+        )
         for style in styles
     }
     write_sweep(
@@ -426,6 +446,7 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
             resolution=args.resolution or 0.0,
             log=progress,
             objective="speed" if args.objective == "speed" else "length",
+            full_trace=args.full_trace,
         )
         command = shlex.join(["python", "-m", "upipe_dtensor.plan", *argv])
         print(
@@ -437,7 +458,7 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
     if args.sweep:
         _sweep(args, config, styles, budget)
         return
-    plan = plan_job(config, budget, args.world_size)
+    plan = plan_job(config, budget, args.world_size, full_trace=args.full_trace)
     if args.json:
         interval = suggested_interval(plan.speed.step_time_s) if plan.speed else None
         print(json.dumps({**plan.as_dict(), "checkpoint_interval": interval}, indent=2))

@@ -60,6 +60,9 @@ class _Kernel:
     """Values the kernel writes to memory: compute nodes used after it, in graph order."""
     aliases: list[fx.Node] = field(default_factory=list)
     """Views of stored values used after it, re-taken on the stored buffers."""
+    others: bool = False
+    """Whether a value used after it is neither stored nor a view (a scalar, a tuple): then its
+    ops run on the fake tensors; otherwise the stored values' layouts are the graph's own."""
 
 
 def _is_extern(node: fx.Node) -> bool:
@@ -192,6 +195,8 @@ def _kernel(nodes: list[fx.Node]) -> _Kernel:
                 needed.add(node.args[0])
             elif isinstance(node.meta.get("val"), torch.Tensor):
                 kernel.stored.append(node)
+            else:
+                kernel.others = True
     kernel.stored.reverse()
     kernel.aliases.reverse()
     return kernel
@@ -268,12 +273,15 @@ class Replay:
         return node.target(*args, **kwargs)
 
     def launch(self, kernel: _Kernel, env: dict, index: int) -> None:
-        """One fused kernel: its values worked out without memory, then a buffer for each value
-        it stores (an input's, when that input dies here), and one launch counted."""
+        """One fused kernel: a buffer for each value it stores (an input's, when that input dies
+        here), laid out as the graph's fake values recorded when it was compiled (static shapes:
+        the same layouts the ops give now), and one launch counted. A kernel whose later users
+        need other values (scalars, tuples) works its values out first, without memory."""
         members = set(kernel.nodes)
-        with untracked():
-            for node in kernel.nodes:
-                env[node] = self.call(node, env)
+        if kernel.others:
+            with untracked():
+                for node in kernel.nodes:
+                    env[node] = self.call(node, env)
         sources = [
             source
             for source in dict.fromkeys(s for n in kernel.nodes for s in _tensor_inputs(n))
@@ -293,7 +301,7 @@ class Replay:
         }
         nbytes = sum(_nbytes(env[source]) for source in sources)
         for node in kernel.stored:
-            value = env[node]
+            value = env[node] if kernel.others else node.meta["val"]
             cone = _cone(node, members)
             reuse = next(
                 (  # an input only the ops computing this value read, of its layout (inductor)

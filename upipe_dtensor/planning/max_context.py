@@ -74,7 +74,7 @@ from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
 from upipe_dtensor.parallel.style_options import searched_options
 from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
-from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
+from upipe_dtensor.planning.step import Budget, GiB, Plan, TraceCache, plan_job
 
 MAX_SEQUENCE_CHUNKS = 8
 """The most UPipe x FPDT chunks searched. Chunks shrink only the per-chunk q/k/v/o buffers of one
@@ -332,6 +332,9 @@ class MaxContext:
     the shortest plan found not to fit)."""
     objective: str = "length"
     """"length": the longest context; "speed": the fastest settings at the recipe's length."""
+    traces: int = 0
+    """Steps traced: plans whose traced job was traced already are rebuilt from that trace
+    (``step.TraceCache``)."""
 
     @property
     def seq_len(self) -> int:
@@ -361,6 +364,7 @@ class MaxContext:
                 for s, p in self.plans
             ],
             "seconds": round(self.seconds, 1),
+            "traces": self.traces,
             "objective": self.objective,
         }
 
@@ -382,12 +386,14 @@ def find_max_context(
     resolution: float = 0.0,
     log: Callable[[str], None] = lambda _: None,
     objective: str = "length",
+    full_trace: bool = False,
 ) -> MaxContext:
     """Run both phases (module docstring) for ``config`` on ``world_size`` GPUs (default: the
     recipe's world, cp x dp_shard). ``search`` names the settings to search (default: all that
     apply); the rest stay as the recipe has them. ``objective="speed"``: only phase 2, at the
-    recipe's seq_len."""
+    recipe's seq_len. ``full_trace``: every plan traces every block (``plan_job``)."""
     started = time.perf_counter()
+    traces = TraceCache(size=8)
     recipe_world = config.parallelism.world_size
     world_size = world_size or recipe_world
     try:
@@ -426,15 +432,24 @@ def find_max_context(
         return result
 
     def plan_at(settings: dict[str, Any], seq_len: int) -> Plan:
-        plan = plan_job(configured(settings, seq_len), budget, world_size)
+        traced, planning = traces.traces, time.perf_counter()
+        plan = plan_job(
+            configured(settings, seq_len),
+            budget,
+            world_size,
+            full_trace=full_trace,
+            traces=traces,
+        )
         history.append((dict(settings), plan))
         speed = f", {plan.speed.tokens_text()}" if plan.speed else ""
+        how = "traced" if traces.traces > traced else "from an earlier trace"
+        took = f" [{how}, {time.perf_counter() - planning:.0f} s]"
         log(
             f"  {seq_len:>12,} tokens, "
             f"{describe(settings, chosen, recipe_keep) or 'recipe settings'}: "
             f"{plan.device_peak_bytes / GiB:7.2f} GiB device, "
             f"{plan.host_per_node_bytes / GiB:8.1f} GiB "
-            f"host/node -> {plan.verdict}{speed}"
+            f"host/node -> {plan.verdict}{speed}{took}"
         )
         return plan
 
@@ -544,6 +559,7 @@ def find_max_context(
         time.perf_counter() - started,
         limit_of(best, plans),
         objective,
+        traces.traces,
     )
 
 
@@ -627,7 +643,8 @@ def recipe_toml(result: MaxContext, command: str) -> str:
         f"host {plan.host_per_node_bytes / GiB:,.1f} GiB per node"
         + (f"; a longer context exceeds {result.limited_by}." if result.limited_by else ".")
         + speed,
-        f"Found by: {command} ({len(result.plans)} plans, {result.seconds / 60:.1f} min).",
+        f"Found by: {command} ({len(result.plans)} plans, {result.traces} traced, "
+        f"{result.seconds / 60:.1f} min).",
         "Searched, most memory-saving first: "
         + "; ".join(f"{k.name} {', '.join(k.show(v) for v in k.values)}" for k in result.searched)
         + ".",

@@ -59,11 +59,11 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from upipe_dtensor.kernels import fused
 from upipe_dtensor.kernels.tiling import repeats
-from upipe_dtensor.planning.tracker import run_op_bodies
+from upipe_dtensor.planning.step_work import add_counts
+from upipe_dtensor.planning.tracker import run_op_bodies, tensor_leaves
 from upipe_dtensor.runtime import host_store
 
 _READS = {
@@ -144,7 +144,7 @@ def _short(path: str) -> str:
 
 
 def _tensors(tree) -> Iterator[Tensor]:
-    for leaf in tree_flatten(tree)[0]:
+    for leaf in tensor_leaves(tree):
         if isinstance(leaf, DTensor):
             yield leaf._local_tensor
         elif isinstance(leaf, Tensor):
@@ -161,6 +161,15 @@ class RehearsalReport:
     """(kind, device type in the CUDA job) -> calls per step."""
     collective_sites: dict[tuple[str, str], str] = field(default_factory=dict)
     """(kind, device type) -> the call site of its first call."""
+
+    def plus(self, other: RehearsalReport, times: float = 1.0) -> RehearsalReport:
+        """A new report: this one's calls plus ``times`` x ``other``'s (first call sites:
+        this one's, else ``other``'s)."""
+        return RehearsalReport(
+            host_syncs=add_counts(self.host_syncs, other.host_syncs, times),
+            collectives=add_counts(self.collectives, other.collectives, times),
+            collective_sites={**other.collective_sites, **self.collective_sites},
+        )
 
     @property
     def host_syncs_per_step(self) -> int:
@@ -308,7 +317,7 @@ class GpuRehearsal:
         in-place ops, whose outputs keep their place, aside)."""
         if func._schema.is_mutable or func.namespace == "fsdp":
             return
-        if any(self._is_held(t) for t in _tensors((args, kwargs)) if is_fake(t)):
+        if any(self._is_held(t) for t in _tensors((args, kwargs))):
             self.hold_on_host(t for t in _tensors(out) if is_fake(t))
 
     def ops(self) -> TorchDispatchMode:

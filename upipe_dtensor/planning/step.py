@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,13 +39,16 @@ from upipe_dtensor.jobs.parallelize import describe_cp_style
 from upipe_dtensor.jobs.setup import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
+from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.projections import forget_head_indices
 from upipe_dtensor.planning import compiled as planned_compile
+from upipe_dtensor.planning.depth import DepthReduction, ElidedBlocks, reduce_depth
 from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
 from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
 from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
-from upipe_dtensor.planning.step_work import StepWorkCounter
-from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker
+from upipe_dtensor.planning.step_work import StepWork, StepWorkCounter, refuse_unpriced
+from upipe_dtensor.planning.timeline import StepTimeline, expand
+from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker, Peak
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
 from upipe_dtensor.runtime.group_backends import backend_device_types
 from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
@@ -166,6 +171,11 @@ class Plan:
     """Calls per step by kind and by the device type of their tensors, "all_reduce on cpu"."""
     compiled: bool = False
     """Compiled blocks, planned from inductor's graphs (``planning.compiled``)."""
+    n_layers: int = 0
+    """Blocks of the model planned."""
+    traced_layers: int = 0
+    """Blocks of the model the step was traced on (fewer than ``n_layers``: a reduced-depth
+    trace standing for the full one, ``planning.depth``)."""
 
     @property
     def fits_device(self) -> bool:
@@ -377,17 +387,21 @@ def tracked_step(
     config: JobConfig,
     counter: StepWorkCounter | None = None,
     rehearsal: GpuRehearsal | None = None,
+    set_up: Callable[[], object] | None = None,
 ) -> None:
     """The measured step, the same for a plan and for a real run: the optimizer state is set up
     first (AdamW creates it lazily; one step on zero gradients), then one training step on a
     batch of token ids is tracked from its start (and its work counted by ``counter``, and
     rehearsed as a CUDA job's by ``rehearsal``, up to the optimizer step, which the time model
-    charges per parameter)."""
+    charges per parameter). ``set_up`` runs last before the step (a reduced-depth plan's
+    stand-ins for the blocks it does not trace, ``planning.depth``)."""
     _watch_progress(trainer, tracker)
     for param in trainer.model.parameters():
         param.grad = torch.zeros_like(param)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
+    if set_up is not None:
+        set_up()
     tracker.start_step()
     watchers = [w for w in (counter, rehearsal) if w is not None]
     for watcher in watchers:
@@ -429,6 +443,47 @@ def refuse_missing_backends(report: RehearsalReport, backend: str, device_type: 
         )
 
 
+@dataclass
+class TracedStep:
+    """What tracing one step gives every plan of the same traced job (``plan_job``)."""
+
+    work: StepWork
+    """The counted work (of the traced model: ``expand`` adds the blocks not traced)."""
+    unpriced: set[str]
+    report: RehearsalReport | None
+    peaks: dict[str, Peak]
+    """Each device's peak (a full trace's; a reduced one's come from ``timeline``)."""
+    timeline: StepTimeline | None
+    moved_bytes: int
+    """The sharded states FSDP CPU offload keeps in host memory (0 without it)."""
+    shape: StepShape
+    kernel_device: str
+    attention_backend: str
+
+
+class TraceCache:
+    """Traced steps a search reuses, and how many it traced: a plan whose traced job (the
+    reduced-depth model with its settings, its depth, world and target) was traced already is
+    rebuilt from that trace. Plans that differ only in how many of the last blocks keep their
+    attention trace the same reduced model (``planning.depth``)."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self.traces = 0
+        """Steps traced (the plans rebuilt from an earlier trace are not counted)."""
+        self._entries: list[tuple[tuple, TracedStep]] = []
+
+    def get(self, key: tuple) -> TracedStep | None:
+        for known, traced in self._entries:
+            if known == key:
+                return traced
+        return None
+
+    def put(self, key: tuple, traced: TracedStep) -> None:
+        self.traces += 1
+        self._entries = [*self._entries, (key, traced)][-self.size :]
+
+
 def plan_job(
     config: JobConfig,
     budget: Budget | None = None,
@@ -437,6 +492,8 @@ def plan_job(
     target: str = "cuda",
     allowances: CudaAllowances | None = None,
     profile: HardwareProfile | None = None,
+    full_trace: bool = False,
+    traces: TraceCache | None = None,
 ) -> Plan:
     """Run one fake training step of ``config`` as rank 0 and report its memory and, priced with
     a hardware ``profile``, its time (``planning.step_time``).
@@ -451,12 +508,98 @@ def plan_job(
     With ``[compile] enable`` the blocks are compiled as in the real job, up to the graphs
     inductor lowers, and those graphs run on the fake tensors as inductor's code runs them
     (``planning.compiled``): the plan counts the compiled step's memory and its fused kernels.
+
+    The step is traced on a reduced-depth model that stands for the full one
+    (``planning.depth``, ``planning.timeline``: the same bytes, work and times);
+    ``full_trace`` traces every block. ``traces``: a search's cache of traced steps.
     """
-    host = HOST if target == "cuda" else DEVICE
     budget = budget or Budget()
     parallelism = config.parallelism
-    cp = parallelism.context_parallel_degree
     world_size = world_size or parallelism.world_size
+    check_job(config, world_size)
+    reduction = None if full_trace else reduce_depth(config)
+    traced_config = reduction.config if reduction is not None else config
+    key = (
+        dataclasses.replace(traced_config, config_file=None, sources={}, files=[]),
+        reduction.n_layers if reduction is not None else 0,
+        world_size,
+        target,
+        budget.gpus_per_node,
+    )
+    traced = traces.get(key) if traces is not None else None
+    if traced is None:
+        traced = _trace(traced_config, reduction, world_size, target, budget.gpus_per_node)
+        if traces is not None:
+            traces.put(key, traced)
+    peaks, work, report = traced.peaks, traced.work, traced.report
+    if reduction is not None:
+        expanded = expand(traced.timeline, reduction)
+        peaks, work, report = expanded.peaks, expanded.work, expanded.report
+    peak = peaks[str(DEVICE)]
+    breakdown = {label: nbytes for label, nbytes in peak.by_label.items() if nbytes > 0}
+    device_peak = peak.bytes
+    host_peak = peaks[str(HOST)].bytes if target == "cuda" and str(HOST) in peaks else 0
+    if config.training.enable_cpu_offload:
+        device_peak -= traced.moved_bytes
+        breakdown[MODEL_STATES] = breakdown.get(MODEL_STATES, 0) - traced.moved_bytes
+        host_peak += traced.moved_bytes
+    if target == "cuda":
+        extra = (allowances or CudaAllowances()).rows(
+            device_peak, nccl_communicators(config, world_size)
+        )
+        breakdown.update(extra)
+        device_peak += sum(extra.values())
+    backend = process_group_backend(target, holds_host_tensors(config))
+    rehearsed = report if report is not None else RehearsalReport()
+    refuse_missing_backends(rehearsed, backend, target)
+    ranks_per_node = min(world_size, budget.gpus_per_node)
+    args = model_args(config.model, config.training.seq_len)
+    n_heads = args.n_heads
+    profile = profile or (GPU_PROFILES[budget.gpu] if target == "cuda" else None)
+    speed = None
+    if profile is not None:
+        refuse_unpriced(traced.unpriced)
+        speed = predict_step_time(work, traced.shape, profile)
+    return Plan(
+        config_file=config.config_file,
+        compiled=config.compile.enable,
+        seq_len=config.training.seq_len,
+        cp_style=parallelism.cp_style,
+        heads_per_stage=parallelism.stage_heads(n_heads),
+        attention=describe_cp_style(parallelism, n_heads),
+        traced_on=traced.kernel_device,
+        attention_backend=traced.attention_backend,
+        world_size=world_size,
+        device_peak_bytes=device_peak,
+        device_peak_when=peak.when,
+        device_breakdown=breakdown,
+        host_peak_bytes=host_peak,
+        host_per_node_bytes=host_peak * ranks_per_node,
+        budget=budget,
+        document_metadata_bytes=document_metadata_bytes(config),
+        speed=speed,
+        host_holds="activation offload"
+        + (", FSDP CPU offload" if config.training.enable_cpu_offload else ""),
+        process_group_backend=backend,
+        host_syncs_per_step=rehearsed.host_syncs_per_step if report is not None else None,
+        host_syncs=rehearsed.sync_rows(),
+        collectives=rehearsed.collective_counts(),
+        n_layers=args.n_layers,
+        traced_layers=reduction.traced_layers if reduction is not None else args.n_layers,
+    )
+
+
+def _trace(
+    config: JobConfig,
+    reduction: DepthReduction | None,
+    world_size: int,
+    target: str,
+    gpus_per_node: int,
+) -> TracedStep:
+    """One fake step of ``config`` (the reduced-depth model of ``reduction``, with stand-ins for
+    the blocks it does not trace), tracked, counted and rehearsed."""
+    host = HOST if target == "cuda" else DEVICE
+    parallelism = config.parallelism
     dp = check_job(config, world_size)
     compiled = config.compile.enable
     config = dataclasses.replace(  # compiled blocks: inductor's graphs, replayed (docstring)
@@ -470,11 +613,13 @@ def plan_job(
     init_fake_process_group(world_size)
     forget_head_indices()
     try:
-        meshes = build_meshes("cpu", dp, cp, parallelism.ring_degree)
+        cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
+        meshes = build_meshes("cpu", dp, cp, ring)
         tracker = LiveMemoryTracker()
-        counter = StepWorkCounter(DEVICE, host, budget.gpus_per_node)
+        counter = StepWorkCounter(DEVICE, host, gpus_per_node)
         rehearsal = GpuRehearsal(DEVICE, host, target) if target == "cuda" else None
         watch = rehearsal.ops() if rehearsal is not None else contextlib.nullcontext()
+        timeline = StepTimeline(counter, rehearsal) if reduction is not None else None
         with (
             planned_compile.fresh_compiles(compiled),
             FakeTensorMode(allow_non_fake_inputs=True),
@@ -489,62 +634,36 @@ def plan_job(
                 host_device=host,
                 mixed_precision=target == "cuda",
                 kernel_device=target,
+                n_layers=reduction.traced_layers if reduction is not None else None,
             )
             trainer = Trainer(config, placement=placement)
-            tracked_step(trainer, tracker, config, counter, rehearsal)
-        peak = tracker.peaks[str(DEVICE)]
-        breakdown = {label: nbytes for label, nbytes in peak.by_label.items() if nbytes > 0}
-        device_peak = peak.bytes
-        host_peak = tracker.peaks[str(HOST)].bytes if host != DEVICE else 0
-        if config.training.enable_cpu_offload:
-            moved = _sharded_state_bytes(trainer)
-            device_peak -= moved
-            breakdown[MODEL_STATES] = breakdown.get(MODEL_STATES, 0) - moved
-            host_peak += moved
-        if target == "cuda":
-            extra = (allowances or CudaAllowances()).rows(
-                device_peak, nccl_communicators(config, world_size)
-            )
-            breakdown.update(extra)
-            device_peak += sum(extra.values())
+            set_up = None
+            if reduction is not None:
+                tracker.timeline = timeline
+                set_up = functools.partial(
+                    ElidedBlocks, trainer.model, trainer.optimizer, reduction, tracker
+                )
+            tracked_step(trainer, tracker, config, counter, rehearsal, set_up)
+            if timeline is not None:
+                timeline.end()
+                tracker.timeline = None
+        n_layers = trainer.model.model_args.n_layers
+        if reduction is not None:
+            n_layers = reduction.n_layers
+        return TracedStep(
+            work=counter.work,
+            unpriced=counter.unpriced,
+            report=rehearsal.report if rehearsal is not None else None,
+            peaks=dict(tracker.peaks),
+            timeline=timeline,
+            moved_bytes=_sharded_state_bytes(trainer) if config.training.enable_cpu_offload else 0,
+            shape=_step_shape(trainer, config, target, n_layers),
+            kernel_device=trainer.setup.kernel_device,
+            attention_backend=trainer.setup.attention_backend,
+        )
     finally:
         forget_head_indices()
         dist.destroy_process_group()
-    backend = process_group_backend(target, holds_host_tensors(config))
-    report = rehearsal.report if rehearsal is not None else RehearsalReport()
-    refuse_missing_backends(report, backend, target)
-    ranks_per_node = min(world_size, budget.gpus_per_node)
-    n_heads = trainer.model.model_args.n_heads
-    profile = profile or (GPU_PROFILES[budget.gpu] if target == "cuda" else None)
-    speed = None
-    if profile is not None:
-        counter.refuse_unpriced()
-        speed = predict_step_time(counter.work, _step_shape(trainer, config, target), profile)
-    return Plan(
-        config_file=config.config_file,
-        compiled=compiled,
-        seq_len=config.training.seq_len,
-        cp_style=parallelism.cp_style,
-        heads_per_stage=parallelism.stage_heads(n_heads),
-        attention=describe_cp_style(parallelism, n_heads),
-        traced_on=trainer.setup.kernel_device,
-        attention_backend=trainer.setup.attention_backend,
-        world_size=world_size,
-        device_peak_bytes=device_peak,
-        device_peak_when=peak.when,
-        device_breakdown=breakdown,
-        host_peak_bytes=host_peak,
-        host_per_node_bytes=host_peak * ranks_per_node,
-        budget=budget,
-        document_metadata_bytes=document_metadata_bytes(config),
-        speed=speed,
-        host_holds="activation offload"
-        + (", FSDP CPU offload" if config.training.enable_cpu_offload else ""),
-        process_group_backend=backend,
-        host_syncs_per_step=report.host_syncs_per_step if rehearsal is not None else None,
-        host_syncs=report.sync_rows(),
-        collectives=report.collective_counts(),
-    )
 
 
 def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:
@@ -555,11 +674,12 @@ def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:
     return n_heads // parallelism.stage_heads(n_heads)
 
 
-def _step_shape(trainer: Trainer, config: JobConfig, target: str) -> StepShape:
-    """What the time model needs of the job besides the counted work."""
+def _step_shape(trainer: Trainer, config: JobConfig, target: str, n_layers: int) -> StepShape:
+    """What the time model needs of the job besides the counted work, for a model of
+    ``n_layers`` blocks (the traced model holds stand-ins for those it does not trace)."""
     training, parallelism = config.training, config.parallelism
     model = trainer.model
-    args = model.model_args
+    args = dataclasses.replace(model.model_args, n_layers=n_layers)
     # torchtitan's count: 6 N plus attention as the full square; causal attention is half of it.
     _, flops_per_token = args.get_nparams_and_flops(model, training.seq_len)
     _, dense_flops_per_token = args.get_nparams_and_flops(model, 0)

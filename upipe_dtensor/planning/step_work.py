@@ -36,12 +36,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from upipe_dtensor.config import ConfigError
 from upipe_dtensor.kernels.tiling import repeats
-from upipe_dtensor.planning.tracker import OFFLOAD, is_untracked, label_from_stack, run_op_bodies
+from upipe_dtensor.planning.tracker import (
+    OFFLOAD,
+    is_untracked,
+    label_from_stack,
+    run_op_bodies,
+    tensor_leaves,
+)
 
 aten = torch.ops.aten
 _MATMULS = {
@@ -133,6 +138,14 @@ the functional ops of DTensor and compiled graphs); a step running another one i
 gather, scatter, barriers) is waited for whole, as an all-reduce is."""
 
 
+def add_counts(mine: dict, theirs: dict, times: float = 1.0) -> dict:
+    """A new dict of counts: ``mine`` plus ``times`` x ``theirs``, key by key."""
+    out = dict(mine)
+    for key, value in theirs.items():
+        out[key] = out.get(key, 0.0) + times * value
+    return out
+
+
 @dataclass
 class Traffic:
     """Bytes on the wire and calls of one kind of communication."""
@@ -162,6 +175,24 @@ class StepWork:
     """Kernels of compiled blocks that fuse elementwise ops and reductions (part of ``ops``)."""
     fused_bytes: float = 0.0
     """The bytes those kernels read and write (part of ``memory_bytes``)."""
+
+    def plus(self, other: StepWork, times: float = 1.0) -> StepWork:
+        """A new count: this one plus ``times`` x ``other`` (``times`` -1: the difference)."""
+        communication = {key: Traffic(t.bytes, t.calls) for key, t in self.communication.items()}
+        for key, traffic in other.communication.items():
+            mine = communication.setdefault(key, Traffic())
+            mine.bytes += times * traffic.bytes
+            mine.calls += times * traffic.calls
+        return StepWork(
+            matmul_flops=self.matmul_flops + times * other.matmul_flops,
+            ops=self.ops + times * other.ops,
+            attention_flops=add_counts(self.attention_flops, other.attention_flops, times),
+            memory_bytes=self.memory_bytes + times * other.memory_bytes,
+            communication=communication,
+            host_bytes=add_counts(self.host_bytes, other.host_bytes, times),
+            fused_kernels=self.fused_kernels + times * other.fused_kernels,
+            fused_bytes=self.fused_bytes + times * other.fused_bytes,
+        )
 
     def to_json(self) -> dict:
         """Plain JSON (tuple keys joined by "|"), for benchmarks that price saved work again."""
@@ -215,6 +246,17 @@ class StepWork:
         for (what, direction), nbytes in sorted(self.host_bytes.items()):
             out[f"host copies {direction}, {what}"] = nbytes
         return out
+
+
+def refuse_unpriced(unpriced: set[str]) -> None:
+    """ConfigError naming collectives a step ran (``StepWorkCounter.unpriced``) that the time
+    model cannot price: a prediction without them would look plausible and be wrong."""
+    if unpriced:
+        raise ConfigError(
+            f"the step runs {', '.join(sorted(unpriced))}, a collective the step-time "
+            "model does not price; give it a rule in _COLLECTIVES "
+            "(upipe_dtensor/planning/step_work.py) before planning this job's speed"
+        )
 
 
 def _numel_bytes(tensor: torch.Tensor) -> int:
@@ -327,12 +369,7 @@ class StepWorkCounter(TorchDispatchMode):
     def refuse_unpriced(self) -> None:
         """ConfigError naming the collectives the step ran that the time model cannot price:
         a prediction without them would look plausible and be wrong."""
-        if self.unpriced:
-            raise ConfigError(
-                f"the step runs {', '.join(sorted(self.unpriced))}, a collective the step-time "
-                "model does not price; give it a rule in _COLLECTIVES "
-                "(upipe_dtensor/planning/step_work.py) before planning this job's speed"
-            )
+        refuse_unpriced(self.unpriced)
 
     def _count_collective(self, func, args) -> None:
         name = func.overloadpacket.__name__
@@ -345,7 +382,7 @@ class StepWorkCounter(TorchDispatchMode):
         kind, argument, share = rule
         group = _group_of(func, args)
         size = group.size() if group is not None else 1
-        counted = [t for t in tree_flatten(args[argument])[0] if isinstance(t, torch.Tensor)]
+        counted = tensor_leaves(args[argument])
         nbytes = _SHARES[share](sum(_numel_bytes(t) for t in counted), size)
         key = (kind, group is not None and self._crosses_nodes(group))
         traffic = self.work.communication.setdefault(key, Traffic())
@@ -399,9 +436,7 @@ class StepWorkCounter(TorchDispatchMode):
         if self._count_copy(func, args, out):
             return out
         touched = [
-            leaf
-            for leaf in tree_flatten((args, kwargs, out))[0]
-            if isinstance(leaf, torch.Tensor) and str(leaf.device) == self.device
+            leaf for leaf in tensor_leaves((args, kwargs, out)) if str(leaf.device) == self.device
         ]
         work.memory_bytes += sum(_numel_bytes(t) for t in touched) * weight
         return out

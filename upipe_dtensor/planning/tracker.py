@@ -33,7 +33,6 @@ from pathlib import PurePath
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from upipe_dtensor.kernels.op_mode import project_ops
 
@@ -118,6 +117,24 @@ def label_from_stack() -> str | None:
     return None
 
 
+def tensor_leaves(tree) -> list[torch.Tensor]:
+    """The tensors of an op's arguments or outputs (nested in tuples, lists and dicts), in
+    ``tree_flatten``'s order: the dispatch modes walk every op's, and this plain walk costs a
+    fraction of pytree's general one. (No recursive closure: a reference cycle would keep the
+    tensors alive until the garbage collector runs, and the tracker counts when they die.)"""
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            found.append(node)
+        elif isinstance(node, (tuple, list)):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            stack.extend(reversed(node.values()))
+    return found
+
+
 _quiet = False
 
 
@@ -171,7 +188,10 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.totals: dict[str, int] = defaultdict(int)
         self.by_label: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.peaks: dict[str, Peak] = defaultdict(Peak)
-        self.when = "setup"
+        self.timeline = None
+        """A ``planning.timeline.StepTimeline`` to record the step into (allocations, frees and
+        the phases of ``when``), or None."""
+        self._when = "setup"
         self.in_head = False
         self._setup = True
         self._live: dict[
@@ -182,12 +202,25 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     # -- phase bookkeeping (set by the planner and by module hooks) ----------------------------
 
+    @property
+    def when(self) -> str:
+        """Where in the step it is, in words ("forward, block 3")."""
+        return self._when
+
+    @when.setter
+    def when(self, value: str) -> None:
+        if value != self._when and self.timeline is not None and not self._setup:
+            self.timeline.phase(value)
+        self._when = value
+
     def start_step(self) -> None:
         """From now on allocations are the step's (not model states by default); peaks restart
         from the current totals."""
         self._setup = False
         for device, total in self.totals.items():
             self.peaks[device] = Peak(total, self.when, dict(self.by_label[device]))
+        if self.timeline is not None:
+            self.timeline.begin(self.when, self.totals, self.by_label)
 
     def _label(self) -> str:
         if self._setup:
@@ -200,6 +233,8 @@ class LiveMemoryTracker(TorchDispatchMode):
     # -- tracking ------------------------------------------------------------------------------
 
     def _add(self, device: str, label: str, nbytes: int) -> None:
+        if self.timeline is not None and not self._setup:
+            self.timeline.events.append((device, label, nbytes))
         self.totals[device] += nbytes
         self.by_label[device][label] += nbytes
         peak = self.peaks[device]
@@ -214,13 +249,41 @@ class LiveMemoryTracker(TorchDispatchMode):
         if known is not None and known[0]() is storage:
             return
         record = [str(tensor.device), self._label(), storage.nbytes()]
+        self._register(storage, record)
+        self._add(*record)
+
+    def _register(self, storage: torch.UntypedStorage, record: list) -> None:
+        """Count ``record``'s bytes off again when ``storage`` is freed."""
+        key = id(storage)
 
         def release(_ref, key=key, record=record) -> None:
             self._live.pop(key, None)
             self._add(record[0], record[1], -record[2])
 
         self._live[key] = (weakref.ref(storage, release), record)
-        self._add(*record)
+
+    def count(self, device: str, label: str, nbytes: int) -> None:
+        """Count ``nbytes`` as allocated now that no tensor of this process holds: the states of
+        the blocks a reduced-depth plan does not trace (``planning.depth``)."""
+        self._add(device, label, nbytes)
+
+    def stand_for(self, tensor: torch.Tensor, copies: int) -> None:
+        """``tensor``'s storage stands for ``copies`` more of its size, allocated where this
+        process allocated none (the inserted periods of ``planning.timeline``): they are freed
+        with it (a storage ``resize_`` never changes, as gradients)."""
+        storage = tensor.untyped_storage()
+        known = self._live.get(id(storage))
+        if known is None or known[0]() is not storage:
+            raise ValueError("stand_for: the storage is not tracked")
+        known[1][2] += copies * storage.nbytes()
+
+    def record_of(self, tensor: torch.Tensor) -> tuple[str, str] | None:
+        """(device, label) of the tracked storage ``tensor`` lives in, or None."""
+        storage = tensor.untyped_storage()
+        known = self._live.get(id(storage))
+        if known is None or known[0]() is not storage:
+            return None
+        return known[1][0], known[1][1]
 
     def _resize(self, storage: torch.UntypedStorage, size: int):
         """FSDP2 frees and re-grows its all-gather buffers with ``resize_``, which no dispatch
@@ -251,9 +314,9 @@ class LiveMemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if _quiet:
             return out
-        for leaf in tree_flatten(out)[0]:
+        for leaf in tensor_leaves(out):
             if isinstance(leaf, DTensor):
                 leaf = leaf.to_local()
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            if leaf.layout == torch.strided:
                 self._track(leaf)
         return out
