@@ -36,6 +36,7 @@ UPipe x FPDT), against measured numbers within 3%:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections.abc import Callable
@@ -53,13 +54,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
-from upipe_dtensor.kernels import rope
+from upipe_dtensor.kernels import rope, tiling
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward
 from upipe_dtensor.parallel.projections import forget_head_indices
 from upipe_dtensor.parallel.registry import make_style
 from upipe_dtensor.parallel.staged_attention import staged_backward, staged_forward
+from upipe_dtensor.planning.step_work import StepWorkCounter
 from upipe_dtensor.planning.tracker import ATTENTION, LiveMemoryTracker
 from upipe_dtensor.runtime.host_store import HostMemory
 
@@ -389,3 +391,63 @@ def test_real_layer_memory_on_cpu(fake_process_group, one_thread, name: str) -> 
 def test_planned_layer_memory(fake_process_group, name: str) -> None:
     measured = _planned_layer_bytes(name)
     _check(measured, PLANNED_LAYER_BYTES[name], f"{name}, planned {measured}")
+
+
+@pytest.mark.parametrize(
+    "heads_per_stage,chunks",
+    [(HEADS, 8), (C, 8), (HEADS, 4)],
+    ids=["fpdt", "upipe x fpdt", "fpdt, 4 chunks"],
+)
+def test_planned_chunks_are_every_chunk(
+    fake_process_group, monkeypatch, heads_per_stage: int, chunks: int
+) -> None:
+    """On fake tensors FPDT's chunk loops run the first two chunks and the last, the second
+    standing for the middle ones, and park stand-ins for what the others leave in host memory
+    (``kernels.tiling.in_order``): 8 chunks, one stage of all heads (FPDT) and four stages
+    sharing a KV block (UPipe x FPDT: partial dK/dV parked between stages), and 4 chunks (the
+    middle query loop of three, whose diagonal pair counts once). Forward and
+    backward each hold the device and host memory of every chunk run, to the byte, at their
+    peaks, what holds them and at the end, and count the same work."""
+
+    def plan(every_chunk: bool) -> list:
+        monkeypatch.setattr(tiling, "_every_tile_when_planning", every_chunk)
+        forget_head_indices()  # cached on the other plan's fake tensors
+        host = HostMemory(torch.device("meta"))
+        params = dataclasses.replace(
+            _params("fpdt", host, real=False), heads_per_stage=heads_per_stage, chunks=chunks
+        )
+        tracker = LiveMemoryTracker()
+        counter = StepWorkCounter(torch.device("cpu"), torch.device("meta"), gpus_per_node=8)
+        counter.counting = True
+        seen = []
+        with FakeTensorMode(), transparent_ops(), tracker, counter:
+            x = torch.empty(1, TOKENS, DIM, dtype=torch.bfloat16)
+            rows = (HEADS, KV_HEADS, KV_HEADS)
+            wq, wk, wv = (torch.empty(h * HEAD_DIM, DIM, dtype=torch.bfloat16) for h in rows)
+            weights = AttentionWeights(wq, wk, wv, torch.empty(DIM, DIM, dtype=torch.bfloat16))
+            table = torch.empty(TOKENS, HEAD_DIM // 2, 2)
+            tracker.start_step()
+            y, out, lse = fpdt_forward(x, weights, table, None, params)
+            seen.append({d: (p.bytes, p.by_label) for d, p in tracker.peaks.items()})
+            tracker.start_step()
+            grads = fpdt_backward(torch.empty_like(y), x, weights, table, None, out, lse, params)
+            seen.append({d: (p.bytes, p.by_label) for d, p in tracker.peaks.items()})
+            del grads
+            seen.append(dict(tracker.totals))
+        seen.append(host.store(torch.device("cpu")).peak_host_bytes)
+        return seen, counter.work
+
+    (shortcut, work), (every, every_work) = plan(False), plan(True)
+    assert shortcut == every
+    counted, every_counted = _flat(dataclasses.asdict(work)), _flat(dataclasses.asdict(every_work))
+    assert counted == pytest.approx(every_counted, rel=1e-9)
+    assert every_counted["attention_flops", ("flash", "backward")] > 0
+
+
+def _flat(record: dict, prefix: tuple = ()) -> dict:
+    """A nested record's numbers by their path of keys."""
+    flat = {}
+    for key, value in record.items():
+        path = (*prefix, key)
+        flat.update(_flat(value, path) if isinstance(value, dict) else {path: value})
+    return flat

@@ -6,7 +6,8 @@ the first one did, and only the last tile may be shorter. On fake tensors (the m
 which tracks allocations, not values) ``tile_starts`` visits the first two tiles and the last one:
 the same allocations, the same peak, without the thousands of identical iterations that make a
 multi-million-token plan slow. Real tensors always visit every tile. FPDT's chunk loops
-(``parallel.fpdt_attention``) use the same rule for their quadratic chunk pairs.
+(``parallel.fpdt_attention``) use the same rule for their chunks and quadratic chunk pairs; what
+a skipped chunk leaves in host memory is parked as a stand-in (``in_order``).
 (tests/test_planner.py checks that a plan with every tile equals one with the shortcut.)
 
 What the planner *counts* (FLOPs, bytes: ``planning.step_work``) must cover every iteration, so
@@ -15,6 +16,8 @@ visit stands for every middle iteration (loops nest, so the factors multiply).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -57,9 +60,29 @@ def visited(like: Tensor, steps: range, stands_for: float | None = None) -> list
     total = len(steps) if stands_for is None else stands_for
     if is_fake(like) and not _every_tile_when_planning and len(steps) > 3:
         return _Visits([steps[0], steps[1], steps[-1]], [1.0, total - 2, 1.0])
-    if total != len(steps):
-        return _Visits(list(steps), [total / len(steps)] * len(steps))
+    if total != len(steps):  # the second (or only) step takes the difference, as above
+        weights = [1.0] * len(steps)
+        weights[min(1, len(steps) - 1)] += total - len(steps)
+        return _Visits(list(steps), weights)
     return steps
+
+
+def in_order(visits: list[int] | range, steps: range) -> Iterator[tuple[int, bool]]:
+    """Every one of ``steps`` in order, and whether ``visits`` (``visited``'s choice) runs it in
+    full: while a visited step's body runs, ``repeats()`` is what it stands for; a step not
+    visited runs with ``repeats()`` 0, for a loop whose skipped iterations still leave memory
+    behind (FPDT's host copies of every chunk): the stand-ins it makes for them cost memory and
+    count no work, which the visited steps count."""
+    global _repeats
+    weights = dict(zip(visits, getattr(visits, "weights", [1.0] * len(visits))))
+    outer = _repeats
+    try:
+        for step in steps:
+            weight = weights.get(step)
+            _repeats = outer * (0.0 if weight is None else weight)
+            yield step, weight is not None
+    finally:
+        _repeats = outer
 
 
 def tile_starts(like: Tensor, total: int, tile: int) -> list[int] | range:

@@ -52,7 +52,7 @@ from torch import Tensor
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import PartialAttention, accumulator
-from upipe_dtensor.kernels.tiling import visited
+from upipe_dtensor.kernels.tiling import in_order, visited
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.layouts import split_lengths
 from upipe_dtensor.parallel.projections import AttentionProjections
@@ -79,6 +79,12 @@ class _Chunks:
             AttentionProjections(x[:, rows], weights, params, self.qk) for rows in self.local
         ]
         self.schedule = self.spans[0].schedule
+        count = len(self.spans)
+        equal = len({rows.stop - rows.start for rows in self.local}) == 1
+        self.visits = visited(x, range(count)) if equal else range(count)
+        """The chunks a loop over all of them runs (``kernels.tiling.visited``; planning alike
+        chunks only): the second stands for every middle one, the others park stand-ins."""
+        self.shortened = len(self.visits) < count
 
 
 def _rows(table: Tensor, rows: slice) -> Tensor:
@@ -108,6 +114,21 @@ class _Parking:
     def get(self, key: object, *, release: bool) -> Tensor:
         held = self.slots.pop(key) if release else self.slots[key]
         return held if self.store is None else self.store.retrieve(held, release=release)
+
+    def drop(self, key: object) -> None:
+        """Give up ``key``'s slot without fetching it (what a skipped chunk released)."""
+        held = self.slots.pop(key)
+        if self.store is not None:
+            self.store.release(held)
+
+    def stand_in(self, key: object, like: object) -> None:
+        """Park under ``key`` a tensor shaped like ``like``'s, never read for its values: what a
+        chunk the planner skips would have parked (``kernels.tiling.in_order``)."""
+        held = self.slots[like]
+        if self.store is None:
+            self.slots[key] = torch.empty_like(held)
+            return
+        self.put(key, torch.empty_like(held.host, device=held.device))
 
     def clear(self) -> None:
         for held in self.slots.values():
@@ -140,8 +161,17 @@ def fpdt_forward(
         x.shape[1] * params.head_degree,
         dtype=torch.float32,
     )
+    # Planning: a visited middle chunk (i = 1) stands for every middle one, whose loops over the
+    # earlier chunks grow with i, so its loop stands for their average.
+    middle_earlier = (len(layer.spans) - 1) / 2
     for index, stage in enumerate(schedule.stages):
-        for i, span in enumerate(layer.spans):
+        for i, runs in in_order(layer.visits, range(len(layer.spans))):
+            if not runs:  # planning: a skipped chunk leaves its K/V in host memory, no work
+                if stage.opens_kv_block:
+                    parking.stand_in(("k", i), like=("k", 1))
+                    parking.stand_in(("v", i), like=("v", 1))
+                continue
+            span = layer.spans[i]
             rope_i, docs_i = _rows(rope, layer.local[i]), _docs(doc_ids, layer.gathered[i])
             if stage.opens_kv_block:
                 k_i, v_i = span.kv_for_block(stage.kv_block, rope_i)
@@ -159,7 +189,7 @@ def fpdt_forward(
                 )
             )
             del k_i, v_i
-            earlier = visited(q_i, range(i))
+            earlier = visited(q_i, range(i), middle_earlier if layer.shortened and i == 1 else None)
             for step, j in enumerate(earlier):
                 k_j, v_j = (
                     parking.get(("k", j), release=False),
@@ -234,8 +264,17 @@ def fpdt_backward(
     )
     count = len(layer.spans)
 
+    # What the planner counts: a visited middle K/V chunk (j = 1) stands for every middle one,
+    # whose query loops shrink with j, so its query loop stands for their average.
+    middle_queries = sum(count - j for j in range(1, count - 1)) / max(count - 2, 1)
     for index, stage in enumerate(schedule.stages):
-        for i, span in enumerate(layer.spans):  # every chunk to the head layout, parked
+        parked = ("k", "v", "q", "o", "do") if stage.opens_kv_block else ("q", "o", "do")
+        for i, runs in in_order(layer.visits, range(count)):  # every chunk to the head layout
+            if not runs:  # planning: a skipped chunk's host copies, no work
+                for name in parked:
+                    parking.stand_in((name, i), like=(name, 1))
+                continue
+            span = layer.spans[i]
             rope_i = _rows(rope, layer.local[i])
             if stage.opens_kv_block:
                 k_i, v_i = span.kv_for_block(stage.kv_block, rope_i)
@@ -246,19 +285,20 @@ def fpdt_backward(
             parking.put(("o", i), span.to_heads(span.read_stage(out[:, layer.local[i]], stage)))
             parking.put(("do", i), span.output_grad(grad_y[:, layer.local[i]], wo, stage))
 
-        # Planning (fake tensors) runs a few of the identical chunk pairs (``kernels.tiling``): the
-        # first pass over the query chunks parks every partial dQ, so host memory is counted
-        # whole; K/V chunks are skipped only when no partial dK/dV outlive the stage.
-        outer = (
-            visited(x, range(count))
-            if stage.opens_kv_block and stage.closes_kv_block
-            else range(count)
-        )
-        # What the planner counts: a visited middle K/V chunk (j = 1) stands for every middle
-        # one, whose query loops shrink with j, so its query loop stands for their average.
-        middle_queries = sum(count - j for j in range(1, count - 1)) / max(count - 2, 1)
-        shortened = len(outer) < count
-        for j in outer:  # outer: K/V chunks
+        # Planning (fake tensors) runs a few of the identical chunks and chunk pairs
+        # (``kernels.tiling``); a skipped K/V chunk j gives up the host copies its step would
+        # release and parks stand-ins for the partial dK/dV it would leave for the next stage.
+        for j, runs in in_order(layer.visits, range(count)):  # outer: K/V chunks
+            if not runs:
+                if not stage.opens_kv_block:
+                    parking.drop(("dk", j))
+                    parking.drop(("dv", j))
+                for name in ("q", "o", "do", "dq"):
+                    parking.drop((name, j))
+                if not stage.closes_kv_block:
+                    parking.stand_in(("dk", j), like=("dk", 1))
+                    parking.stand_in(("dv", j), like=("dv", 1))
+                continue
             span_j = layer.spans[j]
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
             if stage.opens_kv_block:
@@ -266,15 +306,23 @@ def fpdt_backward(
             else:
                 grad_k_j = parking.get(("dk", j), release=True)
                 grad_v_j = parking.get(("dv", j), release=True)
-            stands_for = middle_queries if shortened and j == 1 else None
-            queries = range(j, count) if j == 0 else visited(x, range(j, count), stands_for)
-            for step, i in enumerate(queries):  # inner: query chunks that see chunk j
+            # The first pass over the query chunks parks every partial dQ (stand-ins for the
+            # skipped ones, so host memory is counted whole).
+            stands_for = middle_queries if layer.shortened and j == 1 else None
+            queries = layer.visits if j == 0 else visited(x, range(j, count), stands_for)
+            run = [i for i in range(j, count) if i in queries]  # the query chunks computed
+            for i, runs_i in in_order(queries, range(j, count)):  # inner: those that see chunk j
+                if not runs_i:  # a later pass takes and parks a partial dQ again: nothing left
+                    if j == 0:
+                        parking.stand_in(("dq", i), like=("dq", 1))
+                    continue
                 q_i = parking.get(("q", i), release=i == j)
                 o_i = parking.get(("o", i), release=i == j)
                 do_i = parking.get(("do", i), release=i == j)
                 grad_q_i = accumulator(q_i) if j == 0 else parking.get(("dq", i), release=True)
-                if step + 1 < len(queries):  # the next query chunk travels while this one computes
-                    following = queries[step + 1]
+                step = run.index(i)
+                if step + 1 < len(run):  # the next query chunk travels while this one computes
+                    following = run[step + 1]
                     parking.prefetch(
                         ("q", following), ("o", following), ("do", following), ("dq", following)
                     )
