@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
@@ -394,54 +395,80 @@ def test_planned_layer_memory(fake_process_group, name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "heads_per_stage,chunks",
-    [(HEADS, 8), (C, 8), (HEADS, 4)],
-    ids=["fpdt", "upipe x fpdt", "fpdt, 4 chunks"],
+    "style,heads_per_stage,chunks,overlap",
+    [
+        ("fpdt", HEADS, 8, False),
+        ("fpdt", C, 8, False),
+        ("fpdt", HEADS, 4, False),
+        ("upipe", C, 1, True),
+        ("upipe", C, 1, False),
+    ],
+    ids=["fpdt", "upipe x fpdt", "fpdt, 4 chunks", "upipe", "upipe, stages in turn"],
 )
-def test_planned_chunks_are_every_chunk(
-    fake_process_group, monkeypatch, heads_per_stage: int, chunks: int
+def test_planned_loops_are_every_iteration(
+    fake_process_group, monkeypatch, style: str, heads_per_stage: int, chunks: int, overlap: bool
 ) -> None:
     """On fake tensors FPDT's chunk loops run the first two chunks and the last, the second
     standing for the middle ones, and park stand-ins for what the others leave in host memory
-    (``kernels.tiling.in_order``): 8 chunks, one stage of all heads (FPDT) and four stages
-    sharing a KV block (UPipe x FPDT: partial dK/dV parked between stages), and 4 chunks (the
-    middle query loop of three, whose diagonal pair counts once). Forward and
-    backward each hold the device and host memory of every chunk run, to the byte, at their
+    (``kernels.tiling.in_order``), and a stage loop whose stages repeat runs its first two
+    stages and the last (``AttentionProjections.stage_order``): 8 chunks, one stage of all heads
+    (FPDT) and four stages sharing a KV block (UPipe x FPDT: partial dK/dV parked between
+    stages), 4 chunks (the middle query loop of three, whose diagonal pair counts once), and
+    UPipe's four stages with the next stage's exchanges in flight and without. Forward and
+    backward each hold the device and host memory of every iteration run, to the byte, at their
     peaks, what holds them and at the end, and count the same work."""
+    forward, backward = (
+        (fpdt_forward, fpdt_backward) if style == "fpdt" else (staged_forward, staged_backward)
+    )
 
     def plan(every_chunk: bool) -> list:
         monkeypatch.setattr(tiling, "_every_tile_when_planning", every_chunk)
         forget_head_indices()  # cached on the other plan's fake tensors
         host = HostMemory(torch.device("meta"))
         params = dataclasses.replace(
-            _params("fpdt", host, real=False), heads_per_stage=heads_per_stage, chunks=chunks
+            _params(style, host, real=False),
+            heads_per_stage=heads_per_stage,
+            chunks=chunks,
+            overlap_stages=overlap,
         )
         tracker = LiveMemoryTracker()
         counter = StepWorkCounter(torch.device("cpu"), torch.device("meta"), gpus_per_node=8)
         counter.counting = True
         seen = []
-        with FakeTensorMode(), transparent_ops(), tracker, counter:
+        ops = _OpCount()
+        with FakeTensorMode(), transparent_ops(), tracker, counter, ops:
             x = torch.empty(1, TOKENS, DIM, dtype=torch.bfloat16)
             rows = (HEADS, KV_HEADS, KV_HEADS)
             wq, wk, wv = (torch.empty(h * HEAD_DIM, DIM, dtype=torch.bfloat16) for h in rows)
             weights = AttentionWeights(wq, wk, wv, torch.empty(DIM, DIM, dtype=torch.bfloat16))
             table = torch.empty(TOKENS, HEAD_DIM // 2, 2)
             tracker.start_step()
-            y, out, lse = fpdt_forward(x, weights, table, None, params)
+            y, out, lse = forward(x, weights, table, None, params)
             seen.append({d: (p.bytes, p.by_label) for d, p in tracker.peaks.items()})
             tracker.start_step()
-            grads = fpdt_backward(torch.empty_like(y), x, weights, table, None, out, lse, params)
+            grads = backward(torch.empty_like(y), x, weights, table, None, out, lse, params)
             seen.append({d: (p.bytes, p.by_label) for d, p in tracker.peaks.items()})
             del grads
             seen.append(dict(tracker.totals))
         seen.append(host.store(torch.device("cpu")).peak_host_bytes)
-        return seen, counter.work
+        return seen, counter.work, ops.calls
 
-    (shortcut, work), (every, every_work) = plan(False), plan(True)
+    (shortcut, work, ran), (every, every_work, every_ran) = plan(False), plan(True)
+    assert ran < every_ran  # the shortcut skipped iterations
     assert shortcut == every
     counted, every_counted = _flat(dataclasses.asdict(work)), _flat(dataclasses.asdict(every_work))
     assert counted == pytest.approx(every_counted, rel=1e-9)
     assert every_counted["attention_flops", ("flash", "backward")] > 0
+
+
+class _OpCount(TorchDispatchMode):
+    """How many ops ran."""
+
+    calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _flat(record: dict, prefix: tuple = ()) -> dict:

@@ -164,7 +164,8 @@ def fpdt_forward(
     # Planning: a visited middle chunk (i = 1) stands for every middle one, whose loops over the
     # earlier chunks grow with i, so its loop stands for their average.
     middle_earlier = (len(layer.spans) - 1) / 2
-    for index, stage in enumerate(schedule.stages):
+    for index in layer.spans[0].stage_order():
+        stage = schedule.stages[index]
         for i, runs in in_order(layer.visits, range(len(layer.spans))):
             if not runs:  # planning: a skipped chunk leaves its K/V in host memory, no work
                 if stage.opens_kv_block:
@@ -267,7 +268,8 @@ def fpdt_backward(
     # What the planner counts: a visited middle K/V chunk (j = 1) stands for every middle one,
     # whose query loops shrink with j, so its query loop stands for their average.
     middle_queries = sum(count - j for j in range(1, count - 1)) / max(count - 2, 1)
-    for index, stage in enumerate(schedule.stages):
+    for index in layer.spans[0].stage_order():
+        stage = schedule.stages[index]
         parked = ("k", "v", "q", "o", "do") if stage.opens_kv_block else ("q", "o", "do")
         for i, runs in in_order(layer.visits, range(count)):  # every chunk to the head layout
             if not runs:  # planning: a skipped chunk's host copies, no work

@@ -62,6 +62,15 @@ class HeadSchedule:
         """Stages that share one KV block (and add into its dK/dV): H/U for one block."""
         return len(self.stages) // self.n_kv_blocks
 
+    @property
+    def stages_repeat(self) -> bool:
+        """Whether every stage between the second and the last does what the second does, from
+        the same state: one KV block (the first stage opens it, the last closes it, the others
+        add to its dK/dV) or one stage per block, and heads all contiguous or all gathered."""
+        if self.n_kv_blocks > 1 and self.stages_per_kv_block > 1:
+            return False
+        return len({stage.first_head_if_contiguous is None for stage in self.stages}) == 1
+
     def kv_block_heads(self, block: int) -> tuple[int, int]:
         """[start, stop) of the model's KV heads (rows of wk/wv) projected for ``block``."""
         per_block = self.head_degree * self.kv_heads_per_rank // self.kv_replication

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from upipe_dtensor.kernels.merge import accumulation_dtype, accumulator
 from upipe_dtensor.kernels.rope import apply_rope, apply_rope_transpose
+from upipe_dtensor.kernels.tiling import visited
 from upipe_dtensor.parallel.all_to_all import (
     Exchange,
     _group,
@@ -101,6 +102,20 @@ class AttentionProjections:
         self.wk = wk.view(-1, head_dim, self.dim)
         self.wv = wv.view(-1, head_dim, self.dim)
         self.x_flat = x.reshape(-1, self.dim)
+
+    def stage_order(self) -> list[int] | range:
+        """The stages a stage loop runs, by index: every one, except when planning on fake
+        tensors a schedule whose stages repeat (``HeadSchedule.stages_repeat``), where the first
+        two and the last run, the second standing for the middle ones
+        (``kernels.tiling.visited``). The stage buffers (output, LSEs) are allocated whole
+        before the loop and every stage's head indices are built here (they are kept for the
+        run), so a skipped stage leaves nothing behind; the visited stages allocate what every
+        stage would, and count the work of all of them."""
+        for stage in self.schedule.stages:
+            if stage.first_head_if_contiguous is None:
+                _head_index(stage.query_heads, self.x_flat.device)
+        stages = range(len(self.schedule.stages))
+        return visited(self.x_flat, stages) if self.schedule.stages_repeat else stages
 
     def stage_rows(self, weight: Tensor, stage: Stage) -> Tensor:
         """The stage's query-head rows of ``weight`` (U*d, D): a view when they are contiguous."""

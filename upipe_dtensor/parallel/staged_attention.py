@@ -120,9 +120,12 @@ class _BackwardInputs(_ForwardInputs):
         return query, self.out.result(), self.grad_out.result(), kv
 
 
-def _next(stages: tuple[Stage, ...], index: int, overlap: bool) -> Stage | None:
-    """The stage whose exchanges start during stage ``index``'s attention (None: not yet)."""
-    return stages[index + 1] if overlap and index + 1 < len(stages) else None
+def _next(
+    stages: tuple[Stage, ...], order: list[int] | range, position: int, overlap: bool
+) -> Stage | None:
+    """The stage whose exchanges start during the attention of the stage at ``position`` of
+    ``order`` (``AttentionProjections.stage_order``; None: not yet)."""
+    return stages[order[position + 1]] if overlap and position + 1 < len(order) else None
 
 
 def staged_forward(
@@ -147,11 +150,13 @@ def staged_forward(
     k_h = v_h = None
     started: _ForwardInputs | None = None
     returning: tuple[Stage, Exchange] | None = None  # the previous stage's output, on its way
-    for index, stage in enumerate(stages):
+    order = layer.stage_order()
+    for position, index in enumerate(order):
+        stage = stages[index]
         q_h, kv = (started or _ForwardInputs(layer, stage, rope)).result()
         if kv is not None:
             k_h, v_h = kv
-        following = _next(stages, index, params.overlap_stages)
+        following = _next(stages, order, position, params.overlap_stages)
         started = None if following is None else _ForwardInputs(layer, following, rope)
         o_h, lse[index] = ring_attention_forward(
             q_h, k_h, v_h, layer.scale, layer.backend, layer.ring, doc_ids
@@ -217,12 +222,14 @@ def staged_backward(
             layer.store_query_grad(returning[1], returning[0], rope, grads_q, grad_x, grad_wq)
             returning = None
 
-    for index, stage in enumerate(stages):
+    order = layer.stage_order()
+    for position, index in enumerate(order):
+        stage = stages[index]
         inputs = started or _BackwardInputs(layer, stage, rope, out, grad_y, wo)
         q_h, o_h, grad_o_h, kv = inputs.result()
         if kv is not None:
             k_h, v_h = kv
-        following = _next(stages, index, params.overlap_stages)
+        following = _next(stages, order, position, params.overlap_stages)
         started = (
             None if following is None else _BackwardInputs(layer, following, rope, out, grad_y, wo)
         )
