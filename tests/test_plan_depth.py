@@ -1,6 +1,8 @@
-"""A plan traced on a reduced-depth model (``planning/depth.py``, ``planning/timeline.py``) is the
-full trace's, to the byte: peak device and host bytes, what holds the peak and when, the counted
-work, the rehearsal's syncs and collectives, the predicted times.
+"""A plan traced on a reduced-depth model (``planning/depth.py``, ``planning/timeline.py``), its
+attention computations replayed where they repeat (``planning/replay.py``), is the full trace's
+(every block traced, every computation run), to the byte: peak device and host bytes, what
+holds the peak and when, the counted work, the rehearsal's syncs and collectives, the predicted
+times.
 
 The reference is ``plan_job(..., full_trace=True)``, which traces every block. In every run:
 shipped recipes with their model cut to 7-11 blocks, deep enough that runs of alike blocks are
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.models import get_family
 from upipe_dtensor.planning.depth import reduce_depth
+from upipe_dtensor.planning.replay import ComputationReplay
 from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
 
 pytestmark = pytest.mark.unit
@@ -116,9 +119,14 @@ def test_reduced_depth_plan_is_the_full_trace(monkeypatch, job: str) -> None:
     monkeypatch.setitem(flavors, flavor, dataclasses.replace(flavors[flavor], n_layers=layers))
     reduction = reduce_depth(config)
     assert reduction is not None and reduction.traced_layers < layers, job
-    assert_same_plan(
-        plan_job(config, target=target), plan_job(config, target=target, full_trace=True)
+    replayed = []
+    play = ComputationReplay._play
+    monkeypatch.setattr(
+        ComputationReplay, "_play", lambda self, *a: replayed.append(1) or play(self, *a)
     )
+    fast = plan_job(config, target=target)
+    assert replayed, "no attention computation was replayed"
+    assert_same_plan(fast, plan_job(config, target=target, full_trace=True))
 
 
 def test_traced_and_inserted_blocks_are_every_block_once() -> None:

@@ -33,10 +33,11 @@ breaks ``retain_graph``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -136,6 +137,30 @@ def _flat(params: AttentionParams) -> tuple:
     return tuple(getattr(params, f.name) for f in _PARAM_FIELDS)
 
 
+ComputationRunner = Callable[[str, tuple, Callable[[], tuple[Tensor, ...]]], tuple[Tensor, ...]]
+"""``runner(name, args, compute)``: ``compute()``, an op's computation on the op's arguments
+``args``, or what stands for it (``planning.replay``)."""
+_runner: ComputationRunner | None = None
+
+
+@contextlib.contextmanager
+def computations_run_by(runner: ComputationRunner) -> Iterator[None]:
+    """Attention computations (each op's forward without kept attention, and its backward) go
+    through ``runner`` here: the memory planner replays one traced on the same arguments."""
+    global _runner
+    previous, _runner = _runner, runner
+    try:
+        yield
+    finally:
+        _runner = previous
+
+
+def _computed(
+    name: str, args: tuple, compute: Callable[[], tuple[Tensor, ...]]
+) -> tuple[Tensor, ...]:
+    return compute() if _runner is None else _runner(name, args, compute)
+
+
 class AttentionOp:
     """A registered attention op: ``op(x, weights, rope, doc_ids, params) -> y``."""
 
@@ -148,15 +173,24 @@ class AttentionOp:
             x, weights, rope, doc_ids = _inputs(args[:_N_TENSORS])
             params = _params(args[_N_TENSORS:])
             return kept_forward(
-                params.keep, weights.wo, lambda: forward(x, weights, rope, doc_ids, params)
+                params.keep,
+                weights.wo,
+                lambda: _computed(
+                    f"{name} forward", args, lambda: forward(x, weights, rope, doc_ids, params)
+                ),
             )
 
-        def backward_body(grad_y, *args):
+        def backward_computation(grad_y, *args):
             x, weights, rope, doc_ids = _inputs(args[:_N_TENSORS])
             out, lse = args[_N_TENSORS : _N_TENSORS + 2]
             params = _params(args[_N_TENSORS + 2 :])
             grad_x, grads = backward(grad_y, x, weights, rope, doc_ids, out, lse, params)
             return grad_x, *(x.new_empty(0) if g is None else g for g in grads)
+
+        def backward_body(grad_y, *args):
+            return _computed(
+                f"{name} backward", (grad_y, *args), lambda: backward_computation(grad_y, *args)
+            )
 
         forward_op = torch.library.custom_op(
             f"upipe::{name}_fwd",

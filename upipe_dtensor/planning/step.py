@@ -40,11 +40,13 @@ from upipe_dtensor.jobs.setup import build_meshes
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.parallel.attention_op import computations_run_by
 from upipe_dtensor.parallel.projections import forget_head_indices
 from upipe_dtensor.planning import compiled as planned_compile
 from upipe_dtensor.planning.depth import DepthReduction, ElidedBlocks, reduce_depth
 from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
 from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
+from upipe_dtensor.planning.replay import ComputationReplay
 from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
 from upipe_dtensor.planning.step_work import StepWork, StepWorkCounter, refuse_unpriced
 from upipe_dtensor.planning.timeline import StepTimeline, expand
@@ -511,7 +513,8 @@ def plan_job(
 
     The step is traced on a reduced-depth model that stands for the full one
     (``planning.depth``, ``planning.timeline``: the same bytes, work and times);
-    ``full_trace`` traces every block. ``traces``: a search's cache of traced steps.
+    ``full_trace`` traces every block and runs every attention computation in full
+    (``planning.replay``). ``traces``: a search's cache of traced steps.
     """
     budget = budget or Budget()
     parallelism = config.parallelism
@@ -522,13 +525,21 @@ def plan_job(
     key = (
         dataclasses.replace(traced_config, config_file=None, sources={}, files=[]),
         reduction.n_layers if reduction is not None else 0,
+        full_trace,
         world_size,
         target,
         budget.gpus_per_node,
     )
     traced = traces.get(key) if traces is not None else None
     if traced is None:
-        traced = _trace(traced_config, reduction, world_size, target, budget.gpus_per_node)
+        traced = _trace(
+            traced_config,
+            reduction,
+            world_size,
+            target,
+            budget.gpus_per_node,
+            replay=not full_trace,
+        )
         if traces is not None:
             traces.put(key, traced)
     peaks, work, report = traced.peaks, traced.work, traced.report
@@ -595,9 +606,12 @@ def _trace(
     world_size: int,
     target: str,
     gpus_per_node: int,
+    *,
+    replay: bool,
 ) -> TracedStep:
     """One fake step of ``config`` (the reduced-depth model of ``reduction``, with stand-ins for
-    the blocks it does not trace), tracked, counted and rehearsed."""
+    the blocks it does not trace), tracked, counted and rehearsed; ``replay``: attention
+    computations alike an earlier one replayed (``planning.replay``)."""
     host = HOST if target == "cuda" else DEVICE
     parallelism = config.parallelism
     dp = check_job(config, world_size)
@@ -620,6 +634,11 @@ def _trace(
         rehearsal = GpuRehearsal(DEVICE, host, target) if target == "cuda" else None
         watch = rehearsal.ops() if rehearsal is not None else contextlib.nullcontext()
         timeline = StepTimeline(counter, rehearsal) if reduction is not None else None
+        replayed = (
+            computations_run_by(ComputationReplay(tracker, counter, rehearsal))
+            if replay
+            else contextlib.nullcontext()
+        )
         with (
             planned_compile.fresh_compiles(compiled),
             FakeTensorMode(allow_non_fake_inputs=True),
@@ -627,6 +646,7 @@ def _trace(
             transparent_ops(),
             tracker,
             counter,
+            replayed,
         ):
             placement = Placement(
                 meshes=meshes,
