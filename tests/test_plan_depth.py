@@ -24,9 +24,11 @@ import torch.distributed as dist
 
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.models import get_family
-from upipe_dtensor.planning.depth import reduce_depth
+from upipe_dtensor.planning.depth import DepthReduction, reduce_depth
 from upipe_dtensor.planning.replay import ComputationReplay
 from upipe_dtensor.planning.step import Budget, GiB, Plan, plan_job
+from upipe_dtensor.planning.timeline import StepTimeline, expand
+from upipe_dtensor.planning.tracker import Peak
 
 pytestmark = pytest.mark.unit
 
@@ -166,3 +168,57 @@ def test_every_recipe_plans_as_its_full_trace(recipe: str) -> None:
     config = parse_args(["--config", str(REPO / recipe)])
     budget = Budget(device_bytes=140 * GiB, gpu="h200") if "h200" in recipe else None
     assert_same_plan(plan_job(config, budget), plan_job(config, budget, full_trace=True))
+
+
+def test_inserted_periods_peak_where_every_copy_would() -> None:
+    """``timeline.expand`` against the copies played one by one: a forward period that leaves
+    memory behind (its highest copy is the last) and a backward one that frees more than it
+    allocates (its highest copy is the first), each inserted three times. The peak, when it
+    happens and what holds it are those of the step played out copy by copy."""
+    reduction = DepthReduction(
+        config=parse_args(["--config", str(REPO / "train_configs/debug_model.toml")]),
+        n_layers=6,
+        traced_layers=3,
+        unit_blocks=1,
+        full_units=(0, 1, 5),
+        copies={("forward", 1): 3, ("backward", 2): 3},
+        stand_ins=(),
+    )
+    periods = [  # (when, [(label, bytes)]): the traced step, block by block
+        ("forward, block 0", [("act", 40), ("tmp", 30), ("tmp", -30)]),
+        ("forward, block 1", [("act", 40), ("tmp", 25), ("tmp", -25)]),
+        ("forward, block 2", [("act", 40), ("tmp", 10), ("tmp", -10)]),
+        ("backward (recompute), block 2", [("tmp", 60), ("tmp", -60), ("act", -40)]),
+        ("backward (recompute), block 1", [("tmp", 60), ("tmp", -60), ("act", -40)]),
+        ("backward (recompute), block 0", [("tmp", 20), ("tmp", -20), ("act", -40)]),
+    ]
+    for forward_tmp in (25, 200):  # the peak inside the copied forwards, or in backward
+        periods[1] = (
+            "forward, block 1",
+            [("act", 40), ("tmp", forward_tmp), ("tmp", -forward_tmp)],
+        )
+        timeline = StepTimeline()
+        timeline.begin("setup", {"cpu": 100}, {"cpu": {"states": 100}})
+        played = []  # the full step's phases, copies written out
+        for when, events in periods:
+            timeline.phase(when)
+            timeline.events.extend(("cpu", label, n) for label, n in events)
+            key = reduction.period_of(when)
+            phase = key[0] if key is not None else None
+            played.append((reduction.rename(when), events))
+            for copy in range(reduction.copies.get(key, 0)):
+                played.append((reduction.rename(when, phase, copy), events))
+        timeline.end()
+        total, labels = 100, {"states": 100}
+        expected = Peak(total, "setup", dict(labels))
+        for when, events in played:
+            for label, n in events:
+                total += n
+                labels[label] = labels.get(label, 0) + n
+                if total > expected.bytes:
+                    expected = Peak(total, when, dict(labels))
+        got = expand(timeline, reduction).peaks["cpu"]
+        assert (got.bytes, got.when) == (expected.bytes, expected.when)
+        assert {k: v for k, v in got.by_label.items() if v} == {
+            k: v for k, v in expected.by_label.items() if v
+        }
