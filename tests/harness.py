@@ -3,9 +3,11 @@ compare."""
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,3 +169,53 @@ def cp_mesh(case: dict, cp: int):
             "cpu", (case["ring"], cp // case["ring"]), mesh_dim_names=("cp_ring", "cp_heads")
         )
     return init_device_mesh("cpu", (cp,))
+
+
+_REPO = Path(__file__).resolve().parents[1]
+
+# Meta's config.json of Llama-3.1-8B, as published with its weights.
+LLAMA_31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def llama_31_8b_folder(folder: Path) -> str:
+    """A stand-in Hugging Face folder: Meta's config.json, the shipped tokenizer, and a weights
+    file holding no tensors (the recipes are built on fake tensors: nothing is read, but the
+    start-up check parses its header)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B_CONFIG))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(_REPO / "assets/tokenizer" / name, folder / name)
+    header = b"{}"
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    return str(folder)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from harness import llama_31_8b_folder
 
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.models import get_family
@@ -164,8 +165,11 @@ def test_traced_and_inserted_blocks_are_every_block_once() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_plans_as_its_full_trace(recipe: str) -> None:
-    config = parse_args(["--config", str(REPO / recipe)])
+def test_every_recipe_plans_as_its_full_trace(recipe: str, tmp_path: Path) -> None:
+    extra = []  # context extension starts from Hugging Face Llama-3.1-8B weights
+    if "extend" in recipe:
+        extra = ["--model.hf_assets_path", llama_31_8b_folder(tmp_path / "Llama-3.1-8B")]
+    config = parse_args(["--config", str(REPO / recipe), *extra])
     budget = Budget(device_bytes=140 * GiB, gpu="h200") if "h200" in recipe else None
     assert_same_plan(plan_job(config, budget), plan_job(config, budget, full_trace=True))
 

@@ -4,13 +4,12 @@ UPipe, Ulysses, ring, FPDT and 2D recipes alike."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from harness import llama_31_8b_folder
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -31,53 +30,6 @@ RECIPES = sorted(
     for p in [*(REPO / "recipes").rglob("*.toml"), *(REPO / "train_configs").glob("*.toml")]
     if not p.stem.endswith("_base") and p.stem not in ("debug_model", "qwen3_debug")
 )
-
-# Meta's config.json of Llama-3.1-8B, as published with its weights.
-LLAMA_31_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "hidden_act": "silu",
-    "hidden_size": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 131072,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0",
-    "use_cache": True,
-    "vocab_size": 128256,
-}
-
-
-def _llama_31_8b_folder(folder: Path) -> str:
-    """A stand-in Hugging Face folder: Meta's config.json, the shipped tokenizer, and a weights
-    file holding no tensors (the recipes are built on fake tensors: nothing is read, but the
-    start-up check parses its header)."""
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B_CONFIG))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "assets/tokenizer" / name, folder / name)
-    header = b"{}"
-    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
-    return str(folder)
 
 
 def test_recipe_table_is_complete() -> None:
@@ -150,7 +102,7 @@ def test_every_baseline_validates(tmp_path: Path) -> None:
 def test_recipe_builds(recipe: Path, tmp_path: Path) -> None:
     extra = []
     if "extend" in recipe.stem:  # context extension starts from Hugging Face Llama-3.1-8B weights
-        extra = ["--model.hf_assets_path", _llama_31_8b_folder(tmp_path / "Llama-3.1-8B")]
+        extra = ["--model.hf_assets_path", llama_31_8b_folder(tmp_path / "Llama-3.1-8B")]
     config = parse_args(
         [
             "--config",
@@ -192,7 +144,7 @@ def test_extension_recipe_names_the_missing_weights(tmp_path: Path) -> None:
                 "--config",
                 str(REPO / "recipes/llama3_8b_extend_5M.toml"),
                 "--model.hf_assets_path",
-                _llama_31_8b_folder(tmp_path / "hf"),
+                llama_31_8b_folder(tmp_path / "hf"),
             ]
         ).model,
         5 * 2**20,
