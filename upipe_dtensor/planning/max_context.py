@@ -17,7 +17,8 @@ The search has two phases:
    device memory against host RAM: FSDP CPU offload (on: less device, more host) and blocks
    checkpointed in pairs (less host, more device). Phase 1 starts with both on; a host-bound
    limit is searched again with FSDP offload off, a device-bound one with pairs off, and the
-   longer answer wins. Sequence chunks start from the fewest that plan as
+   longer answer wins (one plan, when the other setting does not fit at the length already
+   found: it cannot go longer). Sequence chunks start from the fewest that plan as
    low as the most at the recipe's length: once the peak lies outside attention (Llama3-8B at
    5M: 4 chunks and more plan the same), more chunks save nothing and each costs training time
    and planning time (a plan with 8 chunks takes ~3.6x one with 2).
@@ -512,7 +513,10 @@ def find_max_context(
         if knob is not None and settings[trade] == knob.values[0]:
             log(f"  the limit is {why}")
             other = {**settings, trade: knob.values[1]}
-            longer, more = longest(other, plan_at(other, max(best, granule)))
+            there = plan_at(other, max(best, granule))
+            # Memory grows with the length: not fitting at the length found, the other way
+            # cannot go longer, and its own limit is not searched.
+            longer, more = longest(other, there) if there.fits else (0, [there])
             if longer > best:
                 best, plans, settings = longer, more, other
         if best == 0:
