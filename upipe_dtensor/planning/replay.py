@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from upipe_dtensor.kernels.tiling import repeats
-from upipe_dtensor.memory.kept_attention import in_backward
 from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
 from upipe_dtensor.planning.step_work import StepWork, StepWorkCounter
 from upipe_dtensor.planning.tracker import LiveMemoryTracker, untracked
@@ -102,7 +101,6 @@ class ComputationReplay:
             _signature(args),
             repeats(),
             torch.is_grad_enabled(),
-            in_backward(),
             self.tracker.in_head,
             self.tracker.timeline is not None,
             self.counter.counting,
