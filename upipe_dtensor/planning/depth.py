@@ -247,7 +247,7 @@ class ElidedBlocks:
             params = nn.ParameterList(nn.Parameter(_alias(p, False)) for p in templates)
             held = [*templates, *(t for p in templates for t in optimizer.state[p].values())]
             for local in _storages(t for t in held if isinstance(t, torch.Tensor)).values():
-                device, label = tracker.record_of(local)
+                device, label, _ = tracker.record_of(local)
                 tracker.count(device, label, local.untyped_storage().nbytes())
             for template_param, param in zip(templates, params, strict=True):
                 optimizer.state[param] = optimizer.state[template_param]  # bytes counted above

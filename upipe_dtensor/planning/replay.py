@@ -24,7 +24,6 @@ full; ``tests/test_plan_depth.py`` compares the two.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from torch import Tensor
 from upipe_dtensor.kernels.tiling import repeats
 from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
 from upipe_dtensor.planning.step_work import StepWork, StepWorkCounter
-from upipe_dtensor.planning.tracker import LiveMemoryTracker, untracked
+from upipe_dtensor.planning.tracker import LiveMemoryTracker, Recording, untracked
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,6 @@ class ComputationReplay:
     ) -> None:
         self.tracker, self.counter, self.rehearsal = tracker, counter, rehearsal
         self._recordings: dict[tuple, _Recording] = {}
-        self.replayed = 0
 
     def __call__(
         self, name: str, args: tuple, compute: Callable[[], tuple[Tensor, ...]]
@@ -108,7 +106,6 @@ class ComputationReplay:
         )
         recording = self._recordings.get(key)
         if recording is not None:
-            self.replayed += 1
             return self._play(recording, args)
         outputs, recording = self._record(args, compute)
         if recording is not None:
@@ -119,47 +116,29 @@ class ComputationReplay:
         self, args: tuple, compute: Callable[[], tuple[Tensor, ...]]
     ) -> tuple[tuple[Tensor, ...], _Recording | None]:
         tracker = self.tracker
-        existing = [ref for ref, _ in tracker._live.values()]
-        events: list[tuple[str, str, int]] = []
-        allocated: dict[int, weakref.ref] = {}
-        add, register = tracker._add, tracker._register
-
-        def recording_add(device: str, label: str, nbytes: int) -> None:
-            events.append((device, label, nbytes))
-            add(device, label, nbytes)
-
-        def recording_register(storage: torch.UntypedStorage, record: list) -> None:
-            allocated[id(storage)] = weakref.ref(storage)
-            register(storage, record)
-
         work = self.counter.work.plus(StepWork(), 0.0)
         report = self.rehearsal.report.plus(RehearsalReport(), 0.0) if self.rehearsal else None
-        tracker._add, tracker._register = recording_add, recording_register
-        try:
+        with tracker.recording() as recorded:
             outputs = compute()
-        finally:
-            tracker._add, tracker._register = add, register
-        made = self._outputs(args, outputs, allocated)
-        alive = {
-            key for key, ref in allocated.items() if ref() is not None and key in tracker._live
-        }
+        made = self._outputs(args, outputs, recorded)
+        alive = {key for key, ref in recorded.allocated.items() if tracker.is_tracked(key, ref)}
         clean = (
             made is not None
             and alive == {id(t.untyped_storage()) for t in outputs}
-            and all(ref() is not None for ref in existing)
-            and sum(nbytes for _, _, nbytes in events) == sum(o.record[2] for o in made)
+            and all(ref() is not None for ref in recorded.before)
+            and sum(nbytes for _, _, nbytes in recorded.events) == sum(o.record[2] for o in made)
         )
         if not clean:
             return outputs, None
         return outputs, _Recording(
-            events=tuple(events),
+            events=tuple(recorded.events),
             work=self.counter.work.plus(work, -1.0),
             report=self.rehearsal.report.plus(report, -1.0) if self.rehearsal else None,
             outputs=made,
         )
 
     def _outputs(
-        self, args: tuple, outputs: tuple[Tensor, ...], allocated: dict[int, weakref.ref]
+        self, args: tuple, outputs: tuple[Tensor, ...], recorded: Recording
     ) -> tuple[_Output, ...] | None:
         """How to make ``outputs`` again, or None if they are not fresh contiguous tensors of
         their own storages, made by the call, on the device of one of its tensor arguments."""
@@ -167,7 +146,7 @@ class ComputationReplay:
         seen: set[int] = set()
         for output in outputs:
             storage = output.untyped_storage()
-            known = self.tracker._live.get(id(storage))
+            record = self.tracker.record_of(output)
             like = next(
                 (
                     i
@@ -178,9 +157,8 @@ class ComputationReplay:
             )
             if (
                 id(storage) in seen
-                or id(storage) not in allocated
-                or known is None
-                or known[0]() is not storage
+                or id(storage) not in recorded.allocated
+                or record is None
                 or like is None
                 or not output.is_contiguous()
                 or output.storage_offset() != 0
@@ -188,13 +166,11 @@ class ComputationReplay:
             ):
                 return None
             seen.add(id(storage))
-            made.append(_Output(tuple(output.shape), output.dtype, like, tuple(known[1])))
+            made.append(_Output(tuple(output.shape), output.dtype, like, record))
         return tuple(made)
 
     def _play(self, recording: _Recording, args: tuple) -> tuple[Tensor, ...]:
-        tracker = self.tracker
-        for event in recording.events:
-            tracker._add(*event)
+        self.tracker.play(recording.events)
         self.counter.work = self.counter.work.plus(recording.work)
         if self.rehearsal is not None:
             self.rehearsal.report = self.rehearsal.report.plus(recording.report)
@@ -202,6 +178,6 @@ class ComputationReplay:
         with untracked():
             for output in recording.outputs:
                 tensor = args[output.like].new_empty(output.shape, dtype=output.dtype)
-                tracker._register(tensor.untyped_storage(), list(output.record))
+                self.tracker.adopt(tensor, output.record)
                 outputs.append(tensor)
         return tuple(outputs)

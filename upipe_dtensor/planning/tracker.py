@@ -168,6 +168,18 @@ def run_op_bodies(mode_type: type[TorchDispatchMode]) -> None:
 
 
 @dataclass
+class Recording:
+    """What a tracker counted inside ``LiveMemoryTracker.recording()``, in order."""
+
+    events: list[tuple[str, str, int]] = field(default_factory=list)
+    """Every (device, label, bytes) change: allocations positive, frees negative."""
+    allocated: dict[int, weakref.ref] = field(default_factory=dict)
+    """The storages allocated, by id."""
+    before: list[weakref.ref] = field(default_factory=list)
+    """The storages tracked when it began."""
+
+
+@dataclass
 class Peak:
     """The largest total on one device, when it happened, and what was alive then by label."""
 
@@ -199,6 +211,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         ] = {}  # id -> (storage ref, [device, label, bytes])
         self._original_resize = torch.UntypedStorage.resize_
         self._depth = 0
+        self._recording: Recording | None = None
 
     # -- phase bookkeeping (set by the planner and by module hooks) ----------------------------
 
@@ -235,6 +248,8 @@ class LiveMemoryTracker(TorchDispatchMode):
     def _add(self, device: str, label: str, nbytes: int) -> None:
         if self.timeline is not None and not self._setup:
             self.timeline.events.append((device, label, nbytes))
+        if self._recording is not None:
+            self._recording.events.append((device, label, nbytes))
         self.totals[device] += nbytes
         self.by_label[device][label] += nbytes
         peak = self.peaks[device]
@@ -255,6 +270,8 @@ class LiveMemoryTracker(TorchDispatchMode):
     def _register(self, storage: torch.UntypedStorage, record: list) -> None:
         """Count ``record``'s bytes off again when ``storage`` is freed."""
         key = id(storage)
+        if self._recording is not None:
+            self._recording.allocated[key] = weakref.ref(storage)
 
         def release(_ref, key=key, record=record) -> None:
             self._live.pop(key, None)
@@ -277,13 +294,40 @@ class LiveMemoryTracker(TorchDispatchMode):
             raise ValueError("stand_for: the storage is not tracked")
         known[1][2] += copies * storage.nbytes()
 
-    def record_of(self, tensor: torch.Tensor) -> tuple[str, str] | None:
-        """(device, label) of the tracked storage ``tensor`` lives in, or None."""
+    def record_of(self, tensor: torch.Tensor) -> tuple[str, str, int] | None:
+        """(device, label, bytes) of the tracked storage ``tensor`` lives in, or None."""
         storage = tensor.untyped_storage()
         known = self._live.get(id(storage))
         if known is None or known[0]() is not storage:
             return None
-        return known[1][0], known[1][1]
+        device, label, nbytes = known[1]
+        return device, label, nbytes
+
+    def is_tracked(self, key: int, storage: weakref.ref) -> bool:
+        """Whether the storage of id ``key`` (``storage`` refers to it) is tracked now."""
+        known = self._live.get(key)
+        return known is not None and known[0]() is storage() is not None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Recording]:
+        """Counted as always, and recorded: what ``planning.replay`` plays again with ``play``
+        and ``adopt``."""
+        recording = Recording(before=[ref for ref, _ in self._live.values()])
+        previous, self._recording = self._recording, recording
+        try:
+            yield recording
+        finally:
+            self._recording = previous
+
+    def play(self, events: list[tuple[str, str, int]] | tuple[tuple[str, str, int], ...]) -> None:
+        """Count a recording's changes again, in order, as if their tensors came and went."""
+        for device, label, nbytes in events:
+            self._add(device, label, nbytes)
+
+    def adopt(self, tensor: torch.Tensor, record: tuple[str, str, int]) -> None:
+        """Track ``tensor``'s storage as ``record`` (already counted by ``play``): its bytes go
+        when it is freed."""
+        self._register(tensor.untyped_storage(), list(record))
 
     def _resize(self, storage: torch.UntypedStorage, size: int):
         """FSDP2 frees and re-grows its all-gather buffers with ``resize_``, which no dispatch
