@@ -54,13 +54,14 @@ def _no_leftover_group():
         dist.destroy_process_group()
 
 
-def _plan(monkeypatch, extra: list[str], layers: int = 2):
-    """A GPU plan of the debug model (128 tokens, ``layers`` blocks) with ``extra`` overrides."""
+def _plan(monkeypatch, extra: list[str], layers: int = 2, full_trace: bool = False):
+    """A GPU plan of the debug model (128 tokens, ``layers`` blocks) with ``extra`` overrides;
+    ``full_trace``: every block traced and every attention computation run (none replayed)."""
     monkeypatch.setitem(
         FLAVORS, "debugmodel", dataclasses.replace(FLAVORS["debugmodel"], n_layers=layers)
     )
     config = parse_args(["--config", DEBUG, "--training.seq_len", "128", *extra])
-    return plan_job(config)
+    return plan_job(config, full_trace=full_trace)
 
 
 def _cp(degree: int, ring: int = 1) -> list[str]:
@@ -226,13 +227,15 @@ def _spy_kernel_calls(monkeypatch) -> Counter:
 def test_kept_attention_serves_both_recomputes_of_a_checkpoint_group(monkeypatch) -> None:
     """Blocks checkpointed in pairs: the group's recompute and the inner block's own both reuse
     the kept attention, on the device or the host, so no attention forward runs twice (as
-    without checkpointing)."""
+    without checkpointing). Counted on the full trace, where every computation runs its kernels
+    (the default plan replays repeated ones: ``planning.replay``)."""
     calls = _spy_kernel_calls(monkeypatch)
     counts = []
     for where in ("none", "device", "host"):
         calls.clear()
         keep = ["--activation_checkpoint.keep_attention", where]
-        _plan(monkeypatch, [*FULL, *keep, "--activation_checkpoint.blocks_per_checkpoint", "2"])
+        pairs = ["--activation_checkpoint.blocks_per_checkpoint", "2"]
+        _plan(monkeypatch, [*FULL, *keep, *pairs], full_trace=True)
         counts.append(calls["_flash_attention_forward"])
     recomputing, *kept = counts
     stages = 4  # U = C = 2 of 8 heads
