@@ -22,6 +22,7 @@ from upipe_dtensor.config import parse_args
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels import tiling
 from upipe_dtensor.kernels.op_mode import transparent_ops
+from upipe_dtensor.planning.compiled import shared_compiles
 from upipe_dtensor.planning.step import (
     CUDA_CONTEXT,
     NCCL_BUFFERS,
@@ -206,6 +207,46 @@ def test_compiled_plan_predicts_real_compiled_peak(tmp_path: Path, cp: int) -> N
     print(f"cp {cp}: planned / real compiled peak bytes: {json.dumps(errors)}")
     bad = {k: v for k, v in errors.items() if not v[2] <= 0.05}
     assert not bad, f"planned vs real compiled peak bytes (relative error): {bad}"
+
+
+def test_plans_sharing_compiled_graphs_are_the_plans_compiled_afresh() -> None:
+    """Inside ``shared_compiles`` (a search) a plan reuses the graphs that plans before it compiled
+    at the same length: another head stage size compiles fewer graphs, the same settings none, and
+    each plan holds the bytes and time of the same plan compiled afresh."""
+    configs = [
+        parse_args(
+            [
+                "--config",
+                str(REPO / "train_configs/debug_model.toml"),
+                "--compile.enable",
+                "true",
+                "--activation_checkpoint.mode",
+                "full",
+                "--activation_checkpoint.cpu_offload",
+                "true",
+                "--parallelism.heads_per_stage",
+                str(heads),
+            ]
+        )
+        for heads in (2, 4, 2)
+    ]
+    fresh = [plan_job(config) for config in configs]
+    shared, compiled = [], []
+    with shared_compiles():
+        for config in configs:
+            shared.append(plan_job(config))
+            compiled.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - sum(compiled))
+    assert 0 < compiled[1] < compiled[0] and compiled[2] == 0, compiled
+
+    def numbers(plan):
+        return (
+            plan.device_peak_bytes,
+            plan.device_breakdown,
+            plan.host_peak_bytes,
+            plan.speed.step_time_s,
+        )
+
+    assert [numbers(plan) for plan in shared] == [numbers(plan) for plan in fresh]
 
 
 @pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.slow), 4])

@@ -73,6 +73,7 @@ from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
 from upipe_dtensor.parallel.style_options import searched_options
+from upipe_dtensor.planning.compiled import shared_compiles
 from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
 from upipe_dtensor.planning.step import Budget, GiB, Plan, TraceCache, plan_job
@@ -378,6 +379,7 @@ def describe(settings: dict[str, Any], searched: list[Knob], recipe_keep: str) -
     )
 
 
+@shared_compiles()  # plans at one length reuse each other's compiled graphs
 def find_max_context(
     config: JobConfig,
     budget: Budget,
