@@ -210,9 +210,9 @@ def test_compiled_plan_predicts_real_compiled_peak(tmp_path: Path, cp: int) -> N
 
 
 def test_plans_sharing_compiled_graphs_are_the_plans_compiled_afresh() -> None:
-    """Inside ``shared_compiles`` (a search) a plan reuses the graphs that plans before it compiled
-    at the same length: another head stage size compiles fewer graphs, the same settings none, and
-    each plan holds the bytes and time of the same plan compiled afresh."""
+    """Inside ``shared_compiles`` (a search) a plan reuses the graphs that plans before it
+    compiled: another head stage size compiles fewer graphs, the same settings none, and each plan
+    holds the bytes and time of the same plan compiled afresh."""
     configs = [
         parse_args(
             [

@@ -640,7 +640,7 @@ def _trace(
             else contextlib.nullcontext()
         )
         with (
-            planned_compile.fresh_compiles(compiled, config.training.seq_len),
+            planned_compile.fresh_compiles(compiled),
             FakeTensorMode(allow_non_fake_inputs=True),
             watch,
             transparent_ops(),
