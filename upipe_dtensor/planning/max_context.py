@@ -55,6 +55,10 @@ the model decides.
 
 ``--objective speed`` skips phase 1: at the recipe's own seq_len it starts from every setting at
 its saving end (which must fit) and relaxes the same way, giving the fastest settings that fit.
+
+A plan whose traced step was traced already is rebuilt from that trace (``step.TraceCache``), and
+the plans share dynamo's compiled graphs (``compiled.shared_compiles``): each compiles only what
+the plans before it did not.
 """
 
 from __future__ import annotations
