@@ -383,7 +383,7 @@ def describe(settings: dict[str, Any], searched: list[Knob], recipe_keep: str) -
     )
 
 
-@shared_compiles()  # plans at one length reuse each other's compiled graphs
+@shared_compiles()  # each plan reuses the graphs the plans before it compiled
 def find_max_context(
     config: JobConfig,
     budget: Budget,
