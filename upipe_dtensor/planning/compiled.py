@@ -384,9 +384,12 @@ def shared_compiles() -> Iterator[None]:
     compiles only those whose guards fail (dynamo checks every shape, stride, dtype and setting a
     graph depends on, so a kept graph is the one the plan would compile), instead of compiling
     every block and tile kernel again: plans at the same length compile about a third of a plan's
-    time less, at another length the full-size tiles' kernels are still kept."""
+    time less, at another length the full-size tiles' kernels are still kept. Dynamo's caches are
+    empty when the outermost scope begins and ends, as around a single plan."""
     global _shared
     previous, _shared = _shared, True
+    if not previous:
+        torch._dynamo.reset()
     try:
         yield
     finally:
