@@ -5,7 +5,7 @@ torchtitan's Llama3 rotates interleaved pairs (2i, 2i+1) (complex ``freqs_cis``)
 Hugging Face's ``rotate_half`` rotate the halves' pairs (i, i + d/2). Both rotate pair i by the
 same angle, so one real cos/sin table serves both. Written on real tables so the UPipe op can
 rotate one stage's heads in float32 and undo the rotation on gradients (the VJP of a rotation by
-theta is a rotation by -theta), a tile of tokens at a time.
+theta is a rotation by -theta), in place and a tile of tokens at a time.
 
 Our ``Llama3`` keeps no position table: its ``freqs_cis`` buffer holds the head_dim/2 inverse
 frequencies in float64 (:func:`rope_frequencies`), and :func:`rope_table` computes the angles of
@@ -81,36 +81,48 @@ def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
     return table
 
 
-def _rotate(x: Tensor, table: Tensor, sign: float, pairs: RopePairs) -> Tensor:
+ROTATION_TILES = 8
+"""A rotation runs in at least this many tiles (of at most ``TILE_TOKENS``): its float32
+temporaries are an eighth of the tensor at any length, not all of it on a short shard."""
+
+
+def _rotate_(x: Tensor, table: Tensor, sign: float, pairs: RopePairs) -> Tensor:
     # table: (S, d/2, 2) or (B, S, d/2, 2) -> broadcast over batch and heads.
     if table.dim() == 3:
         table = table.unsqueeze(0)
-    out = torch.empty_like(x)
-    for start in tile_starts(out, x.shape[1], TILE_TOKENS):
-        tile = slice(start, start + TILE_TOKENS)
-        _rotate_into(out[:, tile], x[:, tile], table[:, tile], sign, pairs == "half")
-    return out
+    tokens = x.shape[1]
+    size = max(1, min(TILE_TOKENS, -(-tokens // ROTATION_TILES)))
+    for start in tile_starts(x, tokens, size):
+        tile = slice(start, start + size)
+        _rotate_into(x[:, tile], table[:, tile], sign, pairs == "half")
+    return x
 
 
 @fused
-def _rotate_into(out: Tensor, x: Tensor, rows: Tensor, sign: float, halves: bool) -> None:
-    """One tile: ``out`` <- ``x`` with each pair rotated by its row's (cos, sign * sin); the
-    pairs are (i, i + d/2) with ``halves``, else (2i, 2i+1)."""
+def _rotate_into(x: Tensor, rows: Tensor, sign: float, halves: bool) -> None:
+    """One tile of ``x``, in place: each pair rotated by its row's (cos, sign * sin); the pairs
+    are (i, i + d/2) with ``halves``, else (2i, 2i+1). Both halves of the result are computed
+    (real * cos - imag * sin and real * sin + imag * cos, in float32) before either is written
+    back and cast."""
     cos, sin = rows[..., 0].unsqueeze(2), rows[..., 1].unsqueeze(2) * sign
     shape, member = ((2, -1), -2) if halves else ((-1, 2), -1)
     pairs = x.float().unflatten(-1, shape)
     real, imag = pairs.select(member, 0), pairs.select(member, 1)
-    # Written (and cast) straight into the output: no stacked float32 copy of the tile.
-    rotated = out.unflatten(-1, shape)
-    rotated.select(member, 0).copy_(real * cos - imag * sin)
-    rotated.select(member, 1).copy_(real * sin + imag * cos)
+    first, second = real * cos, imag * sin
+    first.sub_(second)
+    torch.mul(real, sin, out=second)
+    second.add_(imag * cos)
+    rotated = x.unflatten(-1, shape)
+    rotated.select(member, 0).copy_(first)
+    rotated.select(member, 1).copy_(second)
 
 
-def apply_rope(x: Tensor, table: Tensor, pairs: RopePairs = "interleaved") -> Tensor:
-    """Rotate every head of ``x`` (B, S, h, d) by its position's angles."""
-    return _rotate(x, table, 1.0, pairs)
+def apply_rope_(x: Tensor, table: Tensor, pairs: RopePairs = "interleaved") -> Tensor:
+    """Rotate every head of ``x`` (B, S, h, d) by its position's angles, in place (the attention
+    ops rotate tensors they own: a fresh projection, an arriving gradient); returns ``x``."""
+    return _rotate_(x, table, 1.0, pairs)
 
 
-def apply_rope_transpose(grad: Tensor, table: Tensor, pairs: RopePairs = "interleaved") -> Tensor:
-    """Gradient of ``apply_rope`` with respect to its input: rotate back."""
-    return _rotate(grad, table, -1.0, pairs)
+def apply_rope_transpose_(grad: Tensor, table: Tensor, pairs: RopePairs = "interleaved") -> Tensor:
+    """Gradient of ``apply_rope_`` with respect to its input, in place: rotate back."""
+    return _rotate_(grad, table, -1.0, pairs)

@@ -109,9 +109,14 @@ class KeptAttention:
         return tuple(store.retrieve(parked, release=last) for parked in kept)
 
     def forward(
-        self, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
+        self,
+        wo: Tensor,
+        run: Callable[[], tuple[Tensor, Tensor, Tensor]],
+        output: Callable[[Tensor], Tensor],
     ) -> tuple[Tensor, Tensor, Tensor]:
         """An attention op's (y, out, lse): kept ones in a recompute, else ``run()``, kept.
+        ``output(out)`` is the pre-``wo`` sequence-layout output of the op's saved ``out``
+        (which an op may keep in another layout), for y = output(out) @ wo.T.
 
         The layer is told by its ``wo`` weight, the same tensor object in the forward and in its
         recompute (FSDP2 regathers into the same unsharded parameter), not by a name in the op's
@@ -122,7 +127,7 @@ class KeptAttention:
             kept = self.take(layer)
             if kept is not None:
                 out, lse = kept
-                return out @ wo.t(), out, lse
+                return output(out) @ wo.t(), out, lse
             return run()
         y, out, lse = run()
         self.keep(layer, out, lse)
@@ -130,7 +135,10 @@ class KeptAttention:
 
 
 def kept_forward(
-    keep: str, wo: Tensor, run: Callable[[], tuple[Tensor, Tensor, Tensor]]
+    keep: str,
+    wo: Tensor,
+    run: Callable[[], tuple[Tensor, Tensor, Tensor]],
+    output: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``KeptAttention.forward`` of the store named by ``keep`` (``KeptAttention.name``); just
     ``run()`` when ``keep`` is empty."""
@@ -139,4 +147,4 @@ def kept_forward(
     kept = _NAMED.get(keep)
     if kept is None:
         raise ValueError(f"no kept attention named {keep!r}: the style that owned it is gone")
-    return kept.forward(wo, run)
+    return kept.forward(wo, run, output)

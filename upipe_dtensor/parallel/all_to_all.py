@@ -50,22 +50,23 @@ class Exchange:
         return self._arrange(recv)
 
 
-def _start(send: Tensor, group: dist.ProcessGroup | None, arrange) -> Exchange:
+Arrange = Callable[[Tensor], Tensor]
+"""What turns an exchange's receive buffer into the tensor in its new layout."""
+
+
+def start_exchange(send: Tensor, arrange: Arrange, group: dist.ProcessGroup | None) -> Exchange:
+    """Start the all-to-all of ``send`` (in send layout: peer axis first, contiguous)."""
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     fill_as_received((recv,), (send,), group)  # a stand-in run's fake group: finite data
     return Exchange(send, recv, work, arrange)
 
 
-def start_sequence_to_heads(
-    x: Tensor, group: dist.ProcessGroup | None, head_degree: int
-) -> Exchange:
-    """Start (B, S/C, h, d) local shard of all h heads -> (B, S, h/C, d), this rank's heads.
-
-    Rank r receives head slice r of every peer; the sequence is the peers' shards in rank order.
-    """
-    if head_degree == 1:
-        return Exchange.done(x)
+def sequence_to_heads(x: Tensor, head_degree: int) -> tuple[Tensor, Arrange]:
+    """(send, arrange) of the (B, S/C, h, d) local shard of all h heads -> (B, S, h/C, d), this
+    rank's heads. Rank r receives head slice r of every peer; the sequence is the peers' shards
+    in rank order. ``send`` is a copy of ``x`` unless that is already its layout, so a caller
+    that lets go of ``x`` before the exchange starts holds one tensor fewer at its peak."""
     batch, local_len, heads, head_dim = x.shape
     send = x.reshape(batch, local_len, head_degree, heads // head_degree, head_dim)
     send = send.permute(2, 0, 1, 3, 4).contiguous()
@@ -76,15 +77,12 @@ def start_sequence_to_heads(
             batch, head_degree * local_len, heads // head_degree, head_dim
         )
 
-    return _start(send, group, arrange)
+    return send, arrange
 
 
-def start_heads_to_sequence(
-    x: Tensor, group: dist.ProcessGroup | None, head_degree: int
-) -> Exchange:
-    """Start (B, S, h, d) whole sequence of this rank's heads -> (B, S/C, h*C, d), all heads."""
-    if head_degree == 1:
-        return Exchange.done(x)
+def heads_to_sequence(x: Tensor, head_degree: int) -> tuple[Tensor, Arrange]:
+    """(send, arrange) of the (B, S, h, d) whole sequence of this rank's heads ->
+    (B, S/C, h*C, d), all heads; as ``sequence_to_heads``."""
     batch, seq_len, heads, head_dim = x.shape
     send = x.reshape(batch, head_degree, seq_len // head_degree, heads, head_dim)
     send = send.transpose(0, 1).contiguous()
@@ -95,7 +93,27 @@ def start_heads_to_sequence(
             batch, seq_len // head_degree, head_degree * heads, head_dim
         )
 
-    return _start(send, group, arrange)
+    return send, arrange
+
+
+def start_sequence_to_heads(
+    x: Tensor, group: dist.ProcessGroup | None, head_degree: int
+) -> Exchange:
+    """Start (B, S/C, h, d) local shard of all h heads -> (B, S, h/C, d), this rank's heads
+    (``sequence_to_heads``)."""
+    if head_degree == 1:
+        return Exchange.done(x)
+    return start_exchange(*sequence_to_heads(x, head_degree), group)
+
+
+def start_heads_to_sequence(
+    x: Tensor, group: dist.ProcessGroup | None, head_degree: int
+) -> Exchange:
+    """Start (B, S, h, d) whole sequence of this rank's heads -> (B, S/C, h*C, d), all heads
+    (``heads_to_sequence``)."""
+    if head_degree == 1:
+        return Exchange.done(x)
+    return start_exchange(*heads_to_sequence(x, head_degree), group)
 
 
 def _group(group_name: str) -> dist.ProcessGroup:

@@ -61,6 +61,11 @@ class AttentionWeights(NamedTuple):
     k_norm: Tensor | None = None
 
 
+GRADIENTS = ("x", *AttentionWeights._fields)
+"""The op's differentiable inputs, in schema order: bit i of ``AttentionParams.grads`` is the
+i-th."""
+ALL_GRADIENTS = (1 << len(GRADIENTS)) - 1
+
 _OPTIONAL_WEIGHTS = ("q_norm", "k_norm")
 _WEIGHTS = ", ".join(
     f"Tensor{'?' if name in _OPTIONAL_WEIGHTS else ''} {name}" for name in AttentionWeights._fields
@@ -115,10 +120,18 @@ class AttentionParams:
     output_is_scratch: bool = False
     """Set by the op for its backward, never by a style: the saved output may be overwritten (it
     comes from a checkpoint's recompute; see the module docstring)."""
+    grads: int = ALL_GRADIENTS
+    """Set by the op for its backward, never by a style: the gradients autograd asks for
+    (``ctx.needs_input_grad``), bit i for the i-th of ``GRADIENTS``. Frozen weights (LoRA, frozen
+    layers) cost no weight-gradient memory or FLOPs: the backward forms only these."""
 
     @property
     def query_heads_per_rank(self) -> int:
         return self.heads_per_stage // self.head_degree
+
+    def needs(self, name: str) -> bool:
+        """Whether backward forms the gradient of ``name`` (one of ``GRADIENTS``)."""
+        return bool(self.grads >> GRADIENTS.index(name) & 1)
 
 
 _SCHEMA_TYPES = {str: "str", int: "int", float: "float", bool: "bool"}
@@ -164,10 +177,19 @@ def _computed(
 class AttentionOp:
     """A registered attention op: ``op(x, weights, rope, doc_ids, params) -> y``."""
 
-    def __init__(self, name: str, forward: Callable, backward: Callable) -> None:
+    def __init__(
+        self,
+        name: str,
+        forward: Callable,
+        backward: Callable,
+        output: Callable[[Tensor, AttentionWeights, AttentionParams], Tensor] | None = None,
+    ) -> None:
         """``forward(x, weights, rope, doc_ids, params) -> (y, out, lse)`` and
         ``backward(grad_y, x, weights, rope, doc_ids, out, lse, params) -> (grad_x, grads)``,
-        with ``weights`` and ``grads`` ``AttentionWeights``."""
+        with ``weights`` and ``grads`` ``AttentionWeights`` (None for a gradient autograd does
+        not ask for: ``AttentionParams.needs``). ``output(out, weights, params)`` is the
+        pre-``wo`` output in the sequence layout from the saved ``out``, when the op saves it in
+        another layout (None: ``out`` is it), for kept attention's recompute."""
 
         def forward_body(*args):
             x, weights, rope, doc_ids = _inputs(args[:_N_TENSORS])
@@ -178,6 +200,7 @@ class AttentionOp:
                 lambda: _computed(
                     f"{name} forward", args, lambda: forward(x, weights, rope, doc_ids, params)
                 ),
+                (lambda out: out) if output is None else lambda out: output(out, weights, params),
             )
 
         def backward_computation(grad_y, *args):
@@ -185,7 +208,7 @@ class AttentionOp:
             out, lse = args[_N_TENSORS : _N_TENSORS + 2]
             params = _params(args[_N_TENSORS + 2 :])
             grad_x, grads = backward(grad_y, x, weights, rope, doc_ids, out, lse, params)
-            return grad_x, *(x.new_empty(0) if g is None else g for g in grads)
+            return tuple(x.new_empty(0) if g is None else g for g in (grad_x, *grads))
 
         def backward_body(grad_y, *args):
             return _computed(
@@ -213,12 +236,15 @@ class AttentionOp:
 
     def _backward(self, ctx, grad_y: Tensor, _grad_out: Tensor | None, _grad_lse: Tensor | None):
         *tensors, out, lse = ctx.saved_tensors
-        scratch = _recomputed(out)
-        params = dataclasses.replace(_params(ctx.constants), output_is_scratch=scratch)
-        grad_x, *grads = call(self.backward, grad_y, *tensors, out, lse, *_flat(params))
-        weights = _inputs(tensors)[1]
-        grads = [None if w is None else g for w, g in zip(weights, grads)]
-        return (grad_x, *grads, None, None) + (None,) * len(_PARAM_FIELDS)
+        needed = ctx.needs_grads
+        params = dataclasses.replace(
+            _params(ctx.constants),
+            output_is_scratch=_recomputed(out),
+            grads=sum(1 << i for i, needs in enumerate(needed) if needs),
+        )
+        grads = call(self.backward, grad_y, *tensors, out, lse, *_flat(params))
+        grads = [g if needs else None for g, needs in zip(grads, needed)]
+        return (*grads, None, None) + (None,) * len(_PARAM_FIELDS)
 
     def __call__(
         self,
@@ -256,8 +282,10 @@ def _fake_forward(*args):
 
 def _fake_backward(grad_y, *args):
     x, weights, _, _ = _inputs(args[:_N_TENSORS])
-    return torch.empty_like(x), *(
-        x.new_empty(0) if w is None else torch.empty_like(w) for w in weights
+    params = _params(args[_N_TENSORS + 2 :])
+    return tuple(
+        x.new_empty(0) if t is None or not params.needs(name) else torch.empty_like(t)
+        for name, t in zip(GRADIENTS, (x, *weights))
     )
 
 
@@ -266,6 +294,11 @@ def _setup_context(ctx, inputs, output) -> None:
     _, out, lse = output
     ctx.save_for_backward(*tensors, out, lse)
     ctx.constants = constants
+    # What autograd will ask for (``ctx.needs_input_grad`` of this op's inputs; read here, since
+    # the planner's transparent path runs this op inside a Function with one more input).
+    ctx.needs_grads = tuple(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors[: len(GRADIENTS)]
+    )
     ctx.set_materialize_grads(False)  # only grad_y is ever used: no zero-filled out/lse gradients
     if in_backward():  # a checkpoint's recompute: its output serves one backward
         storage = out.untyped_storage()

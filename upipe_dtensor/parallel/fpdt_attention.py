@@ -46,6 +46,8 @@ Memory bound (per rank, N = B*S/C local tokens, c = N/u tokens per chunk, per-ra
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -248,20 +250,28 @@ def fpdt_backward(
         params.scale,
     )
     parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
-    grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
+    needs = params.needs
+    grad_wo = (
+        grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
+        if needs("wo")
+        else None
+    )
     out = out.view(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
     # Every chunk's final dQ waits in its rows and stage heads of one buffer (the output, when it
     # is scratch: a stage's slices of it are parked before any dQ of the stage is final), or goes
     # into dx and dwq at once (``AttentionProjections.query_grads_wait``).
     first = layer.spans[0]  # every span has the same schedule
-    wait = first.query_grads_wait(x, params.output_is_scratch, params.chunks)
+    queries = needs("x") or needs("wq") or needs("q_norm")  # final dQ goes somewhere
+    wait = queries and first.query_grads_wait(x, params, params.chunks)
     grads_q = (out if params.output_is_scratch else torch.empty_like(out)) if wait else None
     # Waiting, dx is created when the first KV block closes and dwq after the last stage.
-    grad_x = None if wait else first.new_input_grad(x, wait)
-    grad_wq = None if wait else first.new_query_weight_grad(params.chunks)
+    grad_x = first.new_input_grad(x, wait) if needs("x") and not wait else None
+    grad_wq = first.new_query_weight_grad(params.chunks) if needs("wq") and not wait else None
     grad_wk, grad_wv = (
         accumulator(w, summed=params.chunks > 1).view(-1, params.head_dim, x.shape[-1])
-        for w in (wk, wv)
+        if needs(name)
+        else None
+        for w, name in ((wk, "wk"), (wv, "wv"))
     )
     count = len(layer.spans)
 
@@ -284,7 +294,8 @@ def fpdt_backward(
                 parking.put(("v", i), v_i)
                 del k_i, v_i
             parking.put(("q", i), span.query_for_stage(stage, rope_i))
-            parking.put(("o", i), span.to_heads(span.read_stage(out[:, layer.local[i]], stage)))
+            read = functools.partial(span.read_stage, out[:, layer.local[i]], stage)
+            parking.put(("o", i), span.to_heads(read))
             parking.put(("do", i), span.output_grad(grad_y[:, layer.local[i]], wo, stage))
 
         # Planning (fake tensors) runs a few of the identical chunks and chunk pairs
@@ -346,7 +357,7 @@ def fpdt_backward(
                 grad_k_j += dk
                 grad_v_j += dv
                 del dq, dk, dv
-                if i == j:  # every key chunk of query chunk i is done: dQ_i is final
+                if i == j and queries:  # every key chunk of query chunk i is done: final
                     span_j.store_query_grad(
                         span_j.start_to_sequence(grad_q_i.to(x.dtype)),
                         stage,
@@ -355,19 +366,19 @@ def fpdt_backward(
                         None if grad_x is None else grad_x[:, layer.local[i]],
                         grad_wq,
                     )
-                else:
+                elif i != j:
                     parking.put(("dq", i), grad_q_i)
                 del grad_q_i
             del k_j, v_j
             if stage.closes_kv_block:
-                if grad_x is None:
+                if grad_x is None and needs("x"):
                     grad_x = span_j.new_input_grad(x, wait)
                 span_j.kv_backward(
                     grad_k_j,
                     grad_v_j,
                     stage.kv_block,
                     _rows(rope, layer.local[j]),
-                    grad_x[:, layer.local[j]],
+                    None if grad_x is None else grad_x[:, layer.local[j]],
                     grad_wk,
                     grad_wv,
                 )
@@ -379,9 +390,11 @@ def fpdt_backward(
             parking.clear()
     if wait:
         whole = AttentionProjections(x, weights, params, layer.qk)
-        grad_wq = whole.queries_backward(grads_q, grad_x)
-    grads = (grad_x, grad_wq.view_as(wq), grad_wk.view_as(wk), grad_wv.view_as(wv))
-    grad_x, grad_wq, grad_wk, grad_wv = (g.to(t.dtype) for g, t in zip(grads, (x, wq, wk, wv)))
+        grad_wq = whole.queries_backward(grads_q, grad_x, needs("wq"))
+    grad_x, grad_wq, grad_wk, grad_wv = (
+        None if g is None else g.view_as(t).to(t.dtype)
+        for g, t in zip((grad_x, grad_wq, grad_wk, grad_wv), (x, wq, wk, wv))
+    )
     return grad_x, AttentionWeights(grad_wq, grad_wk, grad_wv, grad_wo, *layer.qk.weight_grads())
 
 

@@ -47,8 +47,8 @@ class QKTransform:
         self.eps = params.qk_eps
         self.weights = {"q": weights.q_norm, "k": weights.k_norm}
         self.grads: dict[Which, Tensor | None] = {
-            which: None if w is None else accumulator(w, summed=True)
-            for which, w in self.weights.items()
+            which: accumulator(w, summed=True) if w is not None and params.needs(name) else None
+            for (which, w), name in zip(self.weights.items(), ("q_norm", "k_norm"))
         }
 
     def forward(self, heads: Tensor, which: Which) -> Tensor:
@@ -58,7 +58,8 @@ class QKTransform:
 
     def backward(self, project: Callable[[], Tensor], grad: Tensor, which: Which) -> Tensor:
         """The gradient before the transform from ``grad`` after it; ``project()`` recomputes
-        its input (x @ rows.T). Adds the weight's gradient to its float32 sum."""
+        its input (x @ rows.T). Adds the weight's gradient to its float32 sum when autograd asks
+        for it (``AttentionParams.needs``)."""
         if self.function is None:
             return grad
         # torch.func's transform, not torch.autograd: an op body runs below the autograd key,
@@ -69,11 +70,13 @@ class QKTransform:
             self.weights[which],
         )
         grad_heads, grad_weight = vjp(grad)
-        self.grads[which].add_(grad_weight)
+        if self.grads[which] is not None:  # None: the weight is frozen
+            self.grads[which].add_(grad_weight)
         return grad_heads
 
     def weight_grads(self) -> tuple[Tensor | None, Tensor | None]:
-        """The gradients of q_norm and k_norm in their own dtype (None without a transform)."""
+        """The gradients of q_norm and k_norm in their own dtype (None without a transform, or
+        for a frozen weight)."""
         return tuple(
             None if g is None else g.to(self.weights[w].dtype) for w, g in self.grads.items()
         )

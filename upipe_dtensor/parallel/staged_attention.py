@@ -63,12 +63,15 @@ with U = C_h holds C_h/H of that. ``benchmarks/attention_memory.py`` measures it
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import add_piece
-from upipe_dtensor.parallel.all_to_all import Exchange
+from upipe_dtensor.parallel.all_to_all import Exchange, start_heads_to_sequence
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.head_schedule import Stage
 from upipe_dtensor.parallel.projections import AttentionProjections, resolve_group
@@ -92,12 +95,23 @@ class _Layer(AttentionProjections):
 
 
 class _ForwardInputs:
-    """A stage's exchanges into the head layout, started: its queries and, when the stage opens
-    a KV block, the block's K and V."""
+    """A stage's exchanges into the head layout: its queries and, when the stage opens a KV
+    block, the block's K and V. Started together, to fly during the previous stage's attention
+    (``overlap``), or each one waited for before the next is projected, so only one send
+    buffer exists at a time."""
 
-    def __init__(self, layer: _Layer, stage: Stage, rope: Tensor) -> None:
-        self.kv = layer.start_kv_for_block(stage.kv_block, rope) if stage.opens_kv_block else None
-        self.query = layer.start_query_for_stage(stage, rope)
+    def __init__(self, layer: _Layer, stage: Stage, rope: Tensor, overlap: bool) -> None:
+        self.overlap = overlap
+        self.kv = None
+        if stage.opens_kv_block:
+            self.kv = (
+                self._started(layer.start_key_for_block(stage.kv_block, rope)),
+                self._started(layer.start_value_for_block(stage.kv_block)),
+            )
+        self.query = self._started(layer.start_query_for_stage(stage, rope))
+
+    def _started(self, exchange: Exchange) -> Exchange:
+        return exchange if self.overlap else Exchange.done(exchange.result())
 
     def result(self) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         kv = None if self.kv is None else (self.kv[0].result(), self.kv[1].result())
@@ -105,15 +119,23 @@ class _ForwardInputs:
 
 
 class _BackwardInputs(_ForwardInputs):
-    """A stage's exchanges into the head layout for backward, started: the forward's, and its
-    slices of the output and of the output's gradient."""
+    """A stage's exchanges into the head layout for backward: the forward's, and its slices of
+    the output and of the output's gradient."""
 
     def __init__(
-        self, layer: _Layer, stage: Stage, rope: Tensor, out: Tensor, grad_y: Tensor, wo: Tensor
+        self,
+        layer: _Layer,
+        stage: Stage,
+        rope: Tensor,
+        out: Tensor,
+        grad_y: Tensor,
+        wo: Tensor,
+        overlap: bool,
     ) -> None:
-        super().__init__(layer, stage, rope)
-        self.out = layer.start_to_heads(layer.read_stage(out, stage))
-        self.grad_out = layer.start_output_grad(grad_y, wo, stage)
+        super().__init__(layer, stage, rope, overlap)
+        read = functools.partial(layer.read_stage, out, stage)
+        self.out = self._started(layer.start_to_heads(read))
+        self.grad_out = self._started(layer.start_output_grad(grad_y, wo, stage))
 
     def result(self) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
         query, kv = super().result()
@@ -135,10 +157,13 @@ def staged_forward(
     doc_ids: Tensor | None,
     params: AttentionParams,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The stage loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
-    lse (stages, B, U/C_h, S/R) float32)."""
+    """The stage loop; returns (y = out @ wo.T (B, S/C, D), the saved output (B, S/C, H*d),
+    lse (stages, B, U/C_h, S/R) float32). The saved output is the attention output in the
+    layout backward reads it in (``saved_output``)."""
     layer = _Layer(x, weights, params, doc_ids)
     stages = layer.schedule.stages
+    if len(stages) == 1:
+        return _one_stage_forward(layer, weights, rope, doc_ids)
     out = x.new_empty(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
     lse = x.new_empty(
         len(stages),
@@ -147,17 +172,18 @@ def staged_forward(
         layer.local_len * params.head_degree,
         dtype=torch.float32,
     )
+    overlap = params.overlap_stages
     k_h = v_h = None
     started: _ForwardInputs | None = None
     returning: tuple[Stage, Exchange] | None = None  # the previous stage's output, on its way
     order = layer.stage_order()
     for position, index in enumerate(order):
         stage = stages[index]
-        q_h, kv = (started or _ForwardInputs(layer, stage, rope)).result()
+        q_h, kv = (started or _ForwardInputs(layer, stage, rope, overlap)).result()
         if kv is not None:
             k_h, v_h = kv
-        following = _next(stages, order, position, params.overlap_stages)
-        started = None if following is None else _ForwardInputs(layer, following, rope)
+        following = _next(stages, order, position, overlap)
+        started = None if following is None else _ForwardInputs(layer, following, rope, overlap)
         o_h, lse[index] = ring_attention_forward(
             q_h, k_h, v_h, layer.scale, layer.backend, layer.ring, doc_ids
         )
@@ -168,13 +194,214 @@ def staged_forward(
             layer.write_stage(out, returning[0], returning[1].result())
         returning = (stage, layer.start_to_sequence(o_h))
         del o_h
-        if not params.overlap_stages:
+        if not overlap:
             layer.write_stage(out, returning[0], returning[1].result())
             returning = None
     if returning is not None:
         layer.write_stage(out, returning[0], returning[1].result())
     out = out.view(layer.batch, layer.local_len, -1)
     return out @ weights.wo.t(), out, lse
+
+
+def _one_stage_forward(
+    layer: _Layer, weights: AttentionWeights, rope: Tensor, doc_ids: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every head in one stage (Ulysses, ring attention, and their 2D hybrid): the output stays
+    in the head layout, where backward reads it, and the sequence layout exists only to form y
+    (``saved_output``)."""
+    q_h, (k_h, v_h) = _ForwardInputs(layer, layer.schedule.stages[0], rope, False).result()
+    o_h, lse = ring_attention_forward(
+        q_h, k_h, v_h, layer.scale, layer.backend, layer.ring, doc_ids
+    )
+    del q_h, k_h, v_h
+    o_h = o_h.contiguous()
+    y = _one_stage_output(layer, o_h) @ weights.wo.t()
+    return y, o_h.view(layer.batch, layer.local_len, -1), lse.unsqueeze(0).contiguous()
+
+
+def _head_layout(layer: _Layer, out: Tensor) -> Tensor:
+    """One stage's saved output as (B, S_h, H/C_h, d), S_h = the head group's sequence."""
+    return out.view(layer.batch, -1, layer.schedule.query_heads_per_rank, layer.head_dim)
+
+
+def _one_stage_output(layer: _Layer, o_h: Tensor) -> Tensor:
+    """The layer's pre-``wo`` output (B, S/C, H*d) from the head layout of one stage."""
+    return layer.to_sequence(o_h).reshape(layer.batch, layer.local_len, -1)
+
+
+def saved_output(out: Tensor, weights: AttentionWeights, params: AttentionParams) -> Tensor:
+    """The layer's pre-``wo`` output (B, S/C, H*d), in the sequence layout, from the output the
+    op saves (``staged_forward``): that output itself with several stages, whose outputs are
+    written into one sequence-layout buffer as they arrive; with one stage the head layout of
+    its attention output (viewed as (B, S/C, H*d)), which backward reads directly, so a
+    backward without dwo exchanges nothing but dO and the gradients. Kept attention's recompute
+    forms y from it (``memory.kept_attention``)."""
+    if params.heads_per_stage * params.head_dim < weights.wq.shape[0]:
+        return out
+    batch, local_len, _ = out.shape
+    o_h = out.view(batch, -1, params.query_heads_per_rank, params.head_dim)
+    group = resolve_group(params.head_group, params.head_degree)
+    exchange = start_heads_to_sequence(o_h, group, params.head_degree)
+    return exchange.result().reshape(batch, local_len, -1)
+
+
+class _Gradients:
+    """Where one backward's gradients go, decided once for the layer (each order holds the
+    fewest bytes for its case: ``AttentionProjections.query_grads_wait`` and
+    ``kv_grads_wait``), and the products that finish them.
+
+    Only the gradients autograd asks for are formed (``AttentionParams.needs``), each buffer
+    when its first value arrives: dx and dwq with the first query gradient added at once (or
+    the first block's K/V products, or after the last stage), dwk and dwv with the first block's
+    rows. dwo is formed from the sequence-layout output (``output()``) before the first stage
+    when ``output_now`` (the waiting query gradients overwrite the saved output, or it has to be
+    exchanged back first), else after the last."""
+
+    def __init__(
+        self,
+        layer: _Layer,
+        x: Tensor,
+        out: Tensor,
+        grad_y: Tensor,
+        params: AttentionParams,
+        output: Callable[[], Tensor],
+        output_now: bool,
+    ) -> None:
+        self.layer, self.x, self.out, self.grad_y = layer, x, out, grad_y
+        self.needs, self.scratch, self.output = params.needs, params.output_is_scratch, output
+        self.queries = self.needs("x") or self.needs("wq") or self.needs("q_norm")
+        self.keys = self.needs("x") or self.needs("wk") or self.needs("wv") or self.needs("k_norm")
+        self.queries_wait = self.queries and layer.query_grads_wait(x, params)
+        self.kv_wait = layer.kv_grads_wait(x, params, self.queries_wait)
+        self.waiting: Tensor | None = None
+        """Every stage's dQ in its heads of (B, L, H, d) (``out``'s shape), when they wait."""
+        self.grad_x = self.grad_wq = self.grad_wk = self.grad_wv = None
+        self.kv_sums: list[Tensor | None] = [None, None]
+        """The open KV block's dK and dV sums over its stages (head layout)."""
+        self.pending: list[tuple[int, Tensor, Tensor]] = []
+        """(block, dK, dV) of closed blocks in the sequence layout, when they wait."""
+        self.grad_wo = self._output_weight_grad() if output_now else None
+
+    def _input_grad(self) -> None:
+        if self.grad_x is None and self.needs("x"):
+            self.grad_x = self.layer.new_input_grad(self.x, self.queries_wait)
+
+    def _output_weight_grad(self) -> Tensor | None:
+        if not self.needs("wo"):
+            return None
+        grad_y = self.grad_y.reshape(-1, self.grad_y.shape[-1])
+        return grad_y.t() @ self.output().reshape(grad_y.shape[0], -1)
+
+    def query(self, grad_q: Exchange, stage: Stage, rope: Tensor) -> None:
+        """A stage's dQ, on its way back to the sequence layout; where it goes is made once it
+        has arrived (its exchange buffers are gone by then)."""
+        grad = self.layer.query_grad(grad_q, stage, rope)
+        if self.queries_wait:
+            if self.waiting is None:
+                self.waiting = self.out if self.scratch else torch.empty_like(self.out)
+        else:
+            self._input_grad()
+            if self.grad_wq is None and self.needs("wq"):
+                self.grad_wq = self.layer.new_query_weight_grad(chunks=1)
+        self.layer.add_query_grad(grad, stage, self.waiting, self.grad_x, self.grad_wq)
+
+    def add_kv(self, grad_k: Tensor, grad_v: Tensor, pieces: int) -> None:
+        """A stage's dK, dV (head layout), added to its KV block's sums of ``pieces`` pieces
+        (``merge.add_piece``: float32 when there are several)."""
+        if self.keys:
+            self.kv_sums = [add_piece(t, g, pieces) for t, g in zip(self.kv_sums, (grad_k, grad_v))]
+
+    def close_block(self, block: int, rope: Tensor) -> None:
+        """The closed KV block's dK, then its dV: back in the sequence layout, into dx and dwk
+        (dwv) now, or waiting (``kv_wait``). Each sum is let go as soon as it is exchanged."""
+        if not self.keys:
+            return
+        grad_h, self.kv_sums[0] = self.kv_sums[0], None
+        grad_k = self.layer.key_grad(grad_h, block, rope)
+        del grad_h
+        if not self.kv_wait:
+            self._kv_product("wk", block, grad_k)
+            del grad_k
+        grad_h, self.kv_sums[1] = self.kv_sums[1], None
+        grad_v = self.layer.value_grad(grad_h)
+        del grad_h
+        if self.kv_wait:
+            self.pending.append((block, grad_k, grad_v))
+        else:
+            self._kv_product("wv", block, grad_v)
+
+    def _kv_product(self, name: str, block: int, grad: Tensor) -> None:
+        self._input_grad()
+        attribute = f"grad_{name}"
+        if self.needs(name) and getattr(self, attribute) is None:
+            setattr(self, attribute, torch.zeros_like(getattr(self.layer, name)))
+        weight = getattr(self.layer, name)
+        self.layer.kv_product(weight, grad, block, self.grad_x, getattr(self, attribute))
+
+    def finish(self, weights: AttentionWeights) -> tuple[Tensor | None, AttentionWeights]:
+        """(dx, the weights' gradients) after the last stage: the waiting K/V gradients' and
+        queries' products, then dwo."""
+        while self.pending:
+            block, grad_k, grad_v = self.pending.pop(0)
+            self._kv_product("wk", block, grad_k)
+            self._kv_product("wv", block, grad_v)
+            del grad_k, grad_v
+        if self.waiting is not None:
+            self._input_grad()
+            self.grad_wq = self.layer.queries_backward(self.waiting, self.grad_x, self.needs("wq"))
+            self.waiting = None
+        if self.grad_wo is None:
+            self.grad_wo = self._output_weight_grad()
+        grad_x = None if self.grad_x is None else self.grad_x.to(self.x.dtype)
+        return grad_x, AttentionWeights(
+            *(
+                None if g is None else g.view_as(w)
+                for g, w in (
+                    (self.grad_wq, weights.wq),
+                    (self.grad_wk, weights.wk),
+                    (self.grad_wv, weights.wv),
+                )
+            ),
+            self.grad_wo,
+            *self.layer.qk.weight_grads(),
+        )
+
+
+def _one_stage_backward(
+    layer: _Layer,
+    grad_y: Tensor,
+    x: Tensor,
+    weights: AttentionWeights,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    params: AttentionParams,
+) -> tuple[Tensor | None, AttentionWeights]:
+    """``_one_stage_forward``'s backward: dO exchanged, Q/K/V projected and exchanged again,
+    the saved head-layout output read as it is; dwo first (its sequence layout is exchanged back
+    for it, then freed), and dQ, the only one, goes into dx and dwq as it arrives
+    (``AttentionProjections.query_grads_wait``)."""
+    stage = layer.schedule.stages[0]
+    o_h = _head_layout(layer, out)
+    buffer = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, layer.head_dim)
+    output = functools.partial(_one_stage_output, layer, _head_layout(layer, out))
+    grads = _Gradients(layer, x, buffer, grad_y, params, output, output_now=True)
+    grad_o_h = layer.output_grad(grad_y, weights.wo, stage)
+    q_h, (k_h, v_h) = _ForwardInputs(layer, stage, rope, False).result()
+    grad_q_h, grad_k_h, grad_v_h = ring_attention_backward(
+        grad_o_h, q_h, k_h, v_h, o_h, lse[0], layer.scale, layer.backend, layer.ring, doc_ids
+    )
+    del q_h, k_h, v_h, o_h, grad_o_h
+    grads.add_kv(grad_k_h, grad_v_h, pieces=1)
+    del grad_k_h, grad_v_h
+    sent = layer.start_to_sequence(grad_q_h) if grads.queries else None
+    del grad_q_h
+    if sent is not None:  # dQ first: dK/dV, a quarter of its size with GQA, wait meanwhile
+        grads.query(sent, stage, rope)
+    del sent
+    grads.close_block(stage.kv_block, rope)
+    return grads.finish(weights)
 
 
 def staged_backward(
@@ -186,52 +413,60 @@ def staged_backward(
     out: Tensor,
     lse: Tensor,
     params: AttentionParams,
-) -> tuple[Tensor, AttentionWeights]:
+) -> tuple[Tensor | None, AttentionWeights]:
     """Stage-by-stage backward from x, the output and the LSEs; returns (dx, the weights'
-    gradients).
+    gradients), None for those autograd does not ask for.
 
     Each stage's dQ, back in the sequence layout, waits in its heads of a (B, S/C, H, d) buffer:
     the saved output itself when it is scratch (``AttentionParams.output_is_scratch``; a stage's
-    slice of it is read before its dQ is written there). dx is created when the first KV block
-    closes, and dx += dQ @ wq and dwq = dQ.T @ x are one product each after the last stage, so
-    no dx is held while the stages run. When the buffer would be new and dx exists while the
-    stages run anyway (more than one KV block), each stage's dQ goes into dx and dwq at once
-    instead if that holds less (``projections.AttentionProjections.query_grads_wait``; at long
-    context it does). A KV block's dK, dV are
-    summed over its stages in float32 (``merge.add_piece``; a block of one stage keeps the
-    kernel's own). The sums are in stage order whether or not the stages overlap."""
+    slice of it is read before its dQ is written there), and dx += dQ @ wq and dwq = dQ.T @ x are
+    one product each after the last stage; or, where that holds less, each stage's dQ goes into
+    dx and dwq at once (``_Gradients``). A KV block's dK, dV are summed over its stages in
+    float32 (``merge.add_piece``; a block of one stage keeps the kernel's own), then go into
+    dx, dwk and dwv when the block closes, or wait for the end (GQA, queries waiting: then no
+    dx is held while the stages run). The sums are in stage order whether or not the stages
+    overlap."""
     layer = _Layer(x, weights, params, doc_ids)
     wo = weights.wo
     stages = layer.schedule.stages
+    if len(stages) == 1:
+        return _one_stage_backward(layer, grad_y, x, weights, rope, doc_ids, out, lse, params)
     per_block = layer.schedule.stages_per_kv_block
-    grad_wo = grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
+    sequence = out
     out = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
-    wait = layer.query_grads_wait(x, params.output_is_scratch)
-    # Waiting, dx is created when the first KV block closes and dwq after the last stage.
-    grads_q = (out if params.output_is_scratch else torch.empty_like(out)) if wait else None
-    grad_x = None if wait else layer.new_input_grad(x, wait)
-    grad_wq = None if wait else layer.new_query_weight_grad(chunks=1)
-    grad_wk, grad_wv = (torch.zeros_like(w) for w in (layer.wk, layer.wv))
-    k_h = v_h = grad_k_h = grad_v_h = None
+    grads = _Gradients(
+        layer,
+        x,
+        out,
+        grad_y,
+        params,
+        lambda: sequence,
+        # the waiting dQ overwrites the output: dwo reads it first
+        output_now=params.output_is_scratch and layer.query_grads_wait(x, params),
+    )
+    overlap = params.overlap_stages
+    k_h = v_h = None
     started: _BackwardInputs | None = None
     returning: tuple[Stage, Exchange] | None = None  # the previous stage's dQ, on its way
 
     def finish_query() -> None:
         nonlocal returning
         if returning is not None:
-            layer.store_query_grad(returning[1], returning[0], rope, grads_q, grad_x, grad_wq)
+            grads.query(returning[1], returning[0], rope)
             returning = None
 
     order = layer.stage_order()
     for position, index in enumerate(order):
         stage = stages[index]
-        inputs = started or _BackwardInputs(layer, stage, rope, out, grad_y, wo)
+        inputs = started or _BackwardInputs(layer, stage, rope, out, grad_y, wo, overlap)
         q_h, o_h, grad_o_h, kv = inputs.result()
         if kv is not None:
             k_h, v_h = kv
-        following = _next(stages, order, position, params.overlap_stages)
+        following = _next(stages, order, position, overlap)
         started = (
-            None if following is None else _BackwardInputs(layer, following, rope, out, grad_y, wo)
+            None
+            if following is None
+            else _BackwardInputs(layer, following, rope, out, grad_y, wo, overlap)
         )
         grad_q_h, grad_k_stage, grad_v_stage = ring_attention_backward(
             grad_o_h,
@@ -246,36 +481,24 @@ def staged_backward(
             doc_ids,
         )
         del q_h, o_h, grad_o_h
-        grad_k_h = add_piece(grad_k_h, grad_k_stage, per_block)
-        grad_v_h = add_piece(grad_v_h, grad_v_stage, per_block)
+        grads.add_kv(grad_k_stage, grad_v_stage, per_block)
         del grad_k_stage, grad_v_stage
 
-        sent = layer.start_to_sequence(grad_q_h)
+        sent = layer.start_to_sequence(grad_q_h) if grads.queries else None
         del grad_q_h
-        finish_query()
-        returning = (stage, sent)
-        if not params.overlap_stages or stage.closes_kv_block:
+        if sent is not None:
             finish_query()
+            returning = (stage, sent)
+            if not overlap or stage.closes_kv_block:
+                finish_query()
 
         if stage.closes_kv_block:
-            del k_h, v_h
-            if grad_x is None:
-                grad_x = layer.new_input_grad(x, wait)
-            layer.kv_backward(grad_k_h, grad_v_h, stage.kv_block, rope, grad_x, grad_wk, grad_wv)
-            k_h = v_h = grad_k_h = grad_v_h = None
-
-    if wait:
-        grad_wq = layer.queries_backward(grads_q, grad_x)
-    return grad_x.to(x.dtype), AttentionWeights(
-        grad_wq.view_as(weights.wq),
-        grad_wk.view_as(weights.wk),
-        grad_wv.view_as(weights.wv),
-        grad_wo,
-        *layer.qk.weight_grads(),
-    )
+            k_h = v_h = None
+            grads.close_block(stage.kv_block, rope)
+    return grads.finish(weights)
 
 
-_OP = AttentionOp("attention", staged_forward, staged_backward)
+_OP = AttentionOp("attention", staged_forward, staged_backward, saved_output)
 
 
 def staged_attention(

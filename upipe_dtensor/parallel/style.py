@@ -308,8 +308,9 @@ class UPipeAttention(ContextParallelAttention):
             skips the attention (``memory.kept_attention``); None recomputes it. Every style.
         overlap_stages (bool): start each stage's all-to-alls before the previous stage's
             attention and wait for them just before their use, so the exchanges run while
-            attention computes (one more stage's Q/K/V or output buffers in flight). No effect
-            with one stage (Ulysses) or with ``chunk_tokens``, whose exchanges are waited for.
+            attention computes (one more stage's Q/K/V or output buffers in flight; off by
+            default: see ``UPipeOptions.overlap_stages``). No effect with one stage (Ulysses) or
+            with ``chunk_tokens``, whose exchanges are waited for.
         backend (str): local attention kernel, one of ``kernels.backends.BACKENDS``: "fa3",
             "fa4" (FlashAttention-3/4 through torch's flash registry), "cudnn" (aten's cuDNN
             attention), "flash" (the flash-attn package), "sdpa" (aten's flash kernel,
@@ -336,7 +337,7 @@ class UPipeAttention(ContextParallelAttention):
         heads_per_stage: int | None = None,
         ring_degree: int | None = None,
         chunk_tokens: int | None = None,
-        overlap_stages: bool = True,
+        overlap_stages: bool = False,
         backend: str = "auto",
         kernel_device: str | None = None,
         keep_attention: KeptAttention | None = None,

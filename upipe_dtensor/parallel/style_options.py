@@ -169,10 +169,13 @@ class UPipeOptions(StyleOptions):
     """UPipe x FPDT: each head stage over sequence chunks of this many tokens (after the
     all-to-all), earlier chunks' K/V in host memory (the longest contexts); 0 runs each stage over
     the whole sequence. Not with ring_degree > 1."""
-    overlap_stages: bool = field(default=True, metadata=SEARCHED)
+    overlap_stages: bool = field(default=False, metadata=SEARCHED)
     """Start the next head stage's all-to-alls before this stage's attention and wait for them
     just before their use (exchanges run while attention computes; one more stage's buffers in
-    flight). No effect with sequence chunks, whose exchanges are waited for."""
+    flight). Off by default: UPipe is the memory-first style, and the stage in flight about
+    doubles the backward's working set (at 5M: 7.9 GiB per GPU) for at most +0.6% speed
+    (planned: 128K, 0 at 5M; docs/measurements.md); ``plan --objective speed`` turns it on where
+    it fits. No effect with sequence chunks, whose exchanges are waited for."""
 
     def stage_heads(self, n_heads: int, head_degree: int) -> int:
         return head_degree if self.heads_per_stage is None else self.heads_per_stage
