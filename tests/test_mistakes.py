@@ -192,6 +192,61 @@ def test_bad_records_are_named_before_any_process_group_or_skipped(
     assert kept[12].startswith("document 13:")
 
 
+def test_skipping_is_not_offered_when_every_record_is_bad(tmp_path: Path, capsys, one_rank) -> None:
+    """Blank records only: skipping them would train on nothing, so the line does not offer it,
+    and a job that asks for it anyway is refused the same way."""
+    corpus = tmp_path / "blank"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(json.dumps({"text": "  "}) + "\n" + json.dumps({"text": ""}))
+    for skip in ("false", "true"):
+        assert (
+            _train(
+                tmp_path,
+                "--training.dataset_path",
+                str(corpus),
+                "--training.skip_bad_records",
+                skip,
+            )
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert "2 bad records of 2 in dataset_path" in err and "Traceback" not in err
+        assert "skip_bad_records = true to train" not in err
+        assert (
+            f"(every record of dataset_path '{corpus}' is bad, so [training] skip_bad_records = "
+            "true would leave nothing of it to train on)" in err
+        )
+
+
+def test_a_token_folder_without_its_manifest_or_with_a_damaged_one_says_so(
+    tmp_path: Path, capsys, one_rank
+) -> None:
+    """Training on a token folder whose tokens.json is missing (a copy cut short), is not JSON
+    or lacks a field gets one line naming the manifest, not "holds no .txt files" or a
+    KeyError."""
+    from upipe_dtensor.data.tokenize import tokenize
+
+    folder = tmp_path / "tokens"
+    data = ["--training.dataset_path", str(REPO / "assets/corpus/stdlib_docs_0.txt")]
+    tokenize(DEBUG, data, str(folder), workers=1)
+    manifest = json.loads((folder / "tokens.json").read_text())
+    cases = {
+        "": "holds tokens.bin and documents.bin but no tokens.json, the manifest that makes it a "
+        "token folder",
+        '{"format": "upipe-dtensor token f': "its manifest tokens.json is damaged (not JSON: ",
+        json.dumps({k: v for k, v in manifest.items() if k != "dtype"}): "its manifest "
+        "tokens.json is damaged: it has no dtype; copy the folder again or tokenize",
+    }
+    for text, line in cases.items():
+        (folder / "tokens.json").unlink(missing_ok=True)
+        if text:
+            (folder / "tokens.json").write_text(text)
+        assert _train(tmp_path, "--training.dataset_path", str(folder)) == 2
+        err = capsys.readouterr().err
+        assert f"dataset_path '{folder}'" in err and line in err, err
+        assert "Traceback" not in err and "holds no .txt" not in err
+
+
 def test_the_errors_once_lost_under_torchrun_end_as_config_errors(tmp_path, capsys) -> None:
     """The three mistakes whose line torchrun once cut off (issue 38) end through ``run_main``,
     whose printing under torchrun test_faults.py checks with rank 0 starting late."""
