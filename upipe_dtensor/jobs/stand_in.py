@@ -34,7 +34,9 @@ this host cannot hold it, or when the plan's allocator peak exceeds this device.
 On CPU (``--device cpu``) the same code runs with a small model, and the peak is that of the live
 tensors (the planner's CPU tests' tracker, ``planning.tracker``: CPU has no caching allocator to
 ask), compared with a CPU plan; the time is printed without a prediction (the step-time model
-prices a CPU only with a measured profile, ``--profile``).
+prices a CPU only with a measured profile, ``--profile``). A recipe's rank holds days of CPU
+work, so before anything is built the plan's FLOPs at this CPU's matmul rate bound the run's
+time, and a run past ``--cpu-minutes`` is refused in one line naming the debug model's form.
 """
 
 from __future__ import annotations
