@@ -205,3 +205,7 @@ def test_a_cpu_run_the_plan_says_takes_hours_is_refused_naming_the_form_that_run
     assert "error: measure() reached" in capsys.readouterr().err
     assert gpu_check.main([*long, "--cpu-minutes", "1e9"]) == 1
     assert "error: measure() reached" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # README command 3 as typed on a CPU machine
+        recipe = ["--stand-in", "--config", str(REPO / "recipes/llama3_8b_128K.toml")]
+        assert gpu_check.main(recipe) == 2
+        assert f"the CPU form is {stand_in.CPU_FORM}\n" in capsys.readouterr().err
