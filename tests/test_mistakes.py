@@ -192,6 +192,61 @@ def test_bad_records_are_named_before_any_process_group_or_skipped(
     assert kept[12].startswith("document 13:")
 
 
+def test_skipping_is_not_offered_when_every_record_is_bad(tmp_path: Path, capsys, one_rank) -> None:
+    """Blank records only: skipping them would train on nothing, so the line does not offer it,
+    and a job that asks for it anyway is refused the same way."""
+    corpus = tmp_path / "blank"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(json.dumps({"text": "  "}) + "\n" + json.dumps({"text": ""}))
+    for skip in ("false", "true"):
+        assert (
+            _train(
+                tmp_path,
+                "--training.dataset_path",
+                str(corpus),
+                "--training.skip_bad_records",
+                skip,
+            )
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert "2 bad records of 2 in dataset_path" in err and "Traceback" not in err
+        assert "skip_bad_records = true to train" not in err
+        assert (
+            f"(every record of dataset_path '{corpus}' is bad, so [training] skip_bad_records = "
+            "true would leave nothing of it to train on)" in err
+        )
+
+
+def test_a_token_folder_without_its_manifest_or_with_a_damaged_one_says_so(
+    tmp_path: Path, capsys, one_rank
+) -> None:
+    """Training on a token folder whose tokens.json is missing (a copy cut short), is not JSON
+    or lacks a field gets one line naming the manifest, not "holds no .txt files" or a
+    KeyError."""
+    from upipe_dtensor.data.tokenize import tokenize
+
+    folder = tmp_path / "tokens"
+    data = ["--training.dataset_path", str(REPO / "assets/corpus/stdlib_docs_0.txt")]
+    tokenize(DEBUG, data, str(folder), workers=1)
+    manifest = json.loads((folder / "tokens.json").read_text())
+    cases = {
+        "": "holds tokens.bin and documents.bin but no tokens.json, the manifest that makes it a "
+        "token folder",
+        '{"format": "upipe-dtensor token f': "its manifest tokens.json is damaged (not JSON: ",
+        json.dumps({k: v for k, v in manifest.items() if k != "dtype"}): "its manifest "
+        "tokens.json is damaged: it has no dtype; copy the folder again or tokenize",
+    }
+    for text, line in cases.items():
+        (folder / "tokens.json").unlink(missing_ok=True)
+        if text:
+            (folder / "tokens.json").write_text(text)
+        assert _train(tmp_path, "--training.dataset_path", str(folder)) == 2
+        err = capsys.readouterr().err
+        assert f"dataset_path '{folder}'" in err and line in err, err
+        assert "Traceback" not in err and "holds no .txt" not in err
+
+
 def test_the_errors_once_lost_under_torchrun_end_as_config_errors(tmp_path, capsys) -> None:
     """The three mistakes whose line torchrun once cut off (issue 38) end through ``run_main``,
     whose printing under torchrun test_faults.py checks with rank 0 starting late."""
@@ -508,18 +563,22 @@ def test_training_refuses_to_export_over_an_earlier_export(
 # --- the planner ----------------------------------------------------------------------------------
 
 
-def test_planner_refuses_what_cannot_fit_in_seconds(tmp_path: Path, capsys) -> None:
+def test_planner_answers_what_cannot_fit_in_seconds_with_its_own_exit_code(
+    tmp_path: Path, capsys
+) -> None:
+    """ "Nothing can fit" is the planner's answer, exit 3 (docs/troubleshooting.md), not a config
+    error (2)."""
     began = time.monotonic()
-    assert plan.main(["--config", DEBUG, "--max-context", "--device-memory-gib", "1"]) == 2
+    assert plan.main(["--config", DEBUG, "--max-context", "--device-memory-gib", "1"]) == 3
     err = capsys.readouterr().err
-    assert (
-        "config error: nothing can fit: with FSDP CPU offload: each GPU needs 2.56 GiB before any "
+    assert err.startswith(
+        "nothing can fit: with FSDP CPU offload: each GPU needs 2.56 GiB before any "
         "activation (CUDA context 1.00, NCCL buffers (3 communicators) 1.50, cuBLAS workspace "
-        "0.06 GiB), more than its 1 GiB | without FSDP CPU offload:" in err
+        "0.06 GiB), more than its 1 GiB | without FSDP CPU offload:"
     )
     sweep = ["--sweep", "seq_len", "--out", str(tmp_path), "--device-memory-gib", "2"]
-    assert plan.main(["--config", DEBUG, *sweep]) == 2
-    assert "config error: nothing can fit: without FSDP CPU offload" in capsys.readouterr().err
+    assert plan.main(["--config", DEBUG, *sweep]) == 3
+    assert capsys.readouterr().err.startswith("nothing can fit: without FSDP CPU offload")
     assert time.monotonic() - began < 60  # a search plans for minutes; this plans nothing
     assert not list(tmp_path.iterdir())
 
@@ -527,13 +586,22 @@ def test_planner_refuses_what_cannot_fit_in_seconds(tmp_path: Path, capsys) -> N
 def test_planner_says_which_memory_does_not_fit_and_keeps_old_sweeps(
     tmp_path: Path, capsys
 ) -> None:
+    """A plan that does not fit prints its whole report, then says so on stderr with exit 3
+    (the JSON too); a plan that fits exits 0."""
     offload = ["--training.enable_cpu_offload", "true", "--host-memory-gib", "1e-6"]
-    assert plan.main(["--config", DEBUG, "--json", *offload]) == 0
-    report = json.loads(capsys.readouterr().out)
+    assert plan.main(["--config", DEBUG, "--json", *offload]) == 3
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert err.startswith(f"{DEBUG}: does not fit (host memory): ") and err.count("\n") == 1
     assert (report["fits"], report["fits_device"], report["fits_host"]) == (False, True, False)
     assert report["checkpoint_interval"] == suggested_interval(report["step_time_s"])
     assert report["host_holds"] == "activation offload, FSDP CPU offload"  # only when it is on
     assert report["exceeds"] == "host memory"
+    assert plan.main(["--config", DEBUG, "--device-memory-gib", "0.01"]) == 3
+    out, err = capsys.readouterr()
+    assert "fits: NO (device memory)" in out and "does not fit (device memory): " in err
+    assert plan.main(["--config", DEBUG]) == 0
+    assert "fits: yes" in capsys.readouterr().out
     (tmp_path / "sweep.csv").write_text("an earlier sweep")
     assert plan.main(["--config", DEBUG, "--sweep", "seq_len", "--out", str(tmp_path)]) == 2
     assert f"{tmp_path / 'sweep.csv'} already exists; pass --overwrite" in capsys.readouterr().err

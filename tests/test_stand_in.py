@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from upipe_dtensor import gpu_check
 from upipe_dtensor.config import ConfigError, parse_args
+from upipe_dtensor.errors import JobError
+from upipe_dtensor.jobs import stand_in
 from upipe_dtensor.jobs.stand_in import (
     CATEGORIES,
     Measured,
@@ -166,3 +169,43 @@ def test_a_job_whose_host_share_does_not_fit_is_refused_before_anything_is_built
     with pytest.raises(ConfigError, match=r"holds 931322.6 GiB of host memory .* available"):
         refuse_what_does_not_fit(plan, torch.device("cpu"))
     refuse_what_does_not_fit(plan | {"host_peak_bytes": 2**20}, torch.device("cpu"))
+
+
+def test_a_cpu_run_the_plan_says_takes_hours_is_refused_naming_the_form_that_runs(
+    monkeypatch, capsys
+) -> None:
+    """The debug model at 256K tokens as rank 0 of 4 on CPU: its plan's FLOPs at this CPU's
+    matmul rate take a day here (hours on any CPU), so the stand-in refuses in one line before
+    building anything, naming the debug model's own form; that form passes the same judgement,
+    and so does the long run given the time (--cpu-minutes), each going on to measure."""
+
+    def measured(*args, **kwargs):
+        raise JobError("measure() reached")
+
+    monkeypatch.setattr(stand_in, "measure", measured)
+    debug = [
+        *(
+            "--stand-in",
+            "--device",
+            "cpu",
+            "--config",
+            str(REPO / "train_configs/debug_model.toml"),
+        ),
+        *("--parallelism.context_parallel_degree", "4"),
+    ]
+    long = [*debug, "--training.seq_len", "262144"]
+    assert gpu_check.main(long) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("config error:")]
+    assert "debug_model.toml as rank 0 of 4 on CPU would take at least " in line
+    assert "past --cpu-minutes 15. The form that runs on a CPU in minutes is the debug " in line
+    assert line.endswith(f"{stand_in.CPU_FORM} (or raise --cpu-minutes to wait)")
+    assert "measure() reached" not in err
+    assert gpu_check.main(debug) == 1  # the debug form: judged short, measured
+    assert "error: measure() reached" in capsys.readouterr().err
+    assert gpu_check.main([*long, "--cpu-minutes", "1e9"]) == 1
+    assert "error: measure() reached" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # README command 3 as typed on a CPU machine
+        recipe = ["--stand-in", "--config", str(REPO / "recipes/llama3_8b_128K.toml")]
+        assert gpu_check.main(recipe) == 2
+        assert f"the CPU form is {stand_in.CPU_FORM}\n" in capsys.readouterr().err

@@ -1,11 +1,11 @@
 """The worked run of docs/training.md (Llama-3.1-8B, the user's data, 1M tokens on 8 GPUs), its
 commands in order at the debug scale on CPU: a tiny Hugging Face Llama written by transformers
 stands for Llama-3.1-8B, generated .jsonl and .parquet files for the user's data, and the doc's
-job file (extending the same recipe) with the debug scale added to it, so every command line is
-the doc's.
+job file at the debug scale (read from docs/training.md: "The same run at the debug scale"), so
+every command line and setting is the doc's.
 
 tokenize -> data_report -> plan -> gpu_check (parity only, ``--no-step``: its cheapest
-documented form; the whole check is tests/test_gpu_check.py) -> held-out tokens -> train (2 CP
+documented form; the whole check is tests/test_gpu_evidence.py's) -> held-out tokens -> train (2 CP
 ranks, on the token folder, snapshots, a Hugging Face export at the end) -> evaluate (before
 training it is the same command) -> convert the last snapshot back to a Hugging Face folder. The
 commands that take one process run in this one (their ``main`` with the same argv: torch is
@@ -36,6 +36,23 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "river stone cloud lantern orchard signal harbor meadow copper violet thread".split()
+
+
+def debug_scale_job(*, model: Path, tokens: Path, dump: Path) -> str:
+    """docs/training.md's my_run.toml at the debug scale, read from the doc, its paths this run's
+    (the recipe it extends by its absolute path: the job file lives elsewhere)."""
+    text = (REPO / "docs" / "training.md").read_text()
+    start = text.index("```toml\n# my_run.toml at the debug scale") + len("```toml\n")
+    block = text[start : text.index("```", start)]
+    for doc_path, path in {
+        "recipes/llama3_8b_extend_1M.toml": REPO / "recipes" / "llama3_8b_extend_1M.toml",
+        "outputs/my_run": dump,
+        "/models/tiny-llama": model,
+        "/data/my_docs_tokens": tokens,
+    }.items():
+        assert f'"{doc_path}"' in block, doc_path
+        block = block.replace(f'"{doc_path}"', f'"{path}"')
+    return block
 
 
 def _documents(count: int, seed: int) -> list[str]:
@@ -91,19 +108,7 @@ def test_worked_run_end_to_end(tmp_path: Path, capsys) -> None:
     )
     tokens, out = tmp_path / "my_docs_tokens", tmp_path / "outputs" / "my_run"
     job = tmp_path / "my_run.toml"
-    job.write_text(  # docs/training.md's my_run.toml, then the debug scale (marked)
-        f'extends = "{REPO / "recipes" / "llama3_8b_extend_1M.toml"}"\n'
-        f'[job]\ndump_folder = "{out}"\n'
-        f'[model]\nhf_assets_path = "{model}"\n'
-        'flavor = "hf"  # debug scale: the shape of the tiny config.json\n'
-        f'[training]\ndataset_path = "{tokens}"\n'
-        "seq_len = 64\nlocal_batch_size = 2\nsteps = 4  # debug scale\n"
-        "[parallelism]  # debug scale: 2 CPU processes, 4 heads\n"
-        "context_parallel_degree = 2\nheads_per_stage = 2\n"
-        "[checkpoint]  # debug scale\ninterval = 2\nexport_dtype = 'float32'\n"
-        "[compile]  # debug scale\nenable = false\n"
-        "[metrics]\nenable_tensorboard = false\n"
-    )
+    job.write_text(debug_scale_job(model=model, tokens=tokens, dump=out))
 
     def command(main, *argv: str) -> str:
         """A one-process command, run in this process (its argv as typed); its stdout."""

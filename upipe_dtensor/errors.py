@@ -2,7 +2,8 @@
 
 Every layer raises them (the checkpoint writers refuse a folder with a ``ConfigError``, the
 runtime turns each into an exit code), so they live below all of them. ``ConfigError`` covers
-what the user wrote; the others cover what the run found. Their documented homes,
+what the user wrote; ``DoesNotFit`` is the planner's negative answer; the others cover what the
+run found. Their documented homes,
 ``upipe_dtensor.config`` and ``upipe_dtensor.runtime.errors``, re-export them.
 """
 
@@ -15,6 +16,12 @@ class ConfigError(ValueError):
 
 class JobError(RuntimeError):
     """A failure with a known cause; the message names it, what is safe, and what to do."""
+
+
+class DoesNotFit(Exception):
+    """The planner's answer is "does not fit": the job does not fit its memory budget. An answer,
+    not an error, so it has an exit code of its own (3), which a script that books GPUs on the
+    planner's word can tell from a mistake (2) or a failure (1); the message says what binds."""
 
 
 class JobComplete(Exception):

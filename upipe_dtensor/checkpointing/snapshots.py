@@ -184,9 +184,10 @@ class _Pickled(Stateful):
 
 class Checkpointer:
     """Saves and loads the job's state; ``job`` (the parallel geometry), ``model`` (the model's
-    settings, ``model_record``) and ``data()`` (the fingerprint of the data consumed, collective)
-    are recorded in each manifest, so that a resume with another data-parallel degree, other model
-    settings or on changed data can be refused up front."""
+    settings, ``model_record``), ``batch`` (what a step holds, ``batch_record``) and ``data()``
+    (the fingerprint of the data consumed, collective) are recorded in each manifest, so that a
+    resume with another data-parallel degree, other model settings, another step or on changed
+    data can be refused up front, or said."""
 
     def __init__(
         self,
@@ -202,12 +203,14 @@ class Checkpointer:
         job: dict[str, Any],
         data: Callable[[], dict[str, Any]] | None = None,
         model_settings: dict[str, Any] | None = None,
+        batch: dict[str, Any] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.job = job
         self.model_settings = model_settings
+        self.batch = batch
         self.data = data
         self.step = 0
         self.latest: Path | None = None
@@ -259,6 +262,8 @@ class Checkpointer:
             record = {"step": step, "job": self.job}
             if self.model_settings is not None:
                 record["model"] = self.model_settings
+            if self.batch is not None:
+                record["batch"] = self.batch
             if self.data is not None:
                 record["data"] = self.data()
             dcp.save(self.states, checkpoint_id=str(partial))

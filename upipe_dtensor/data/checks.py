@@ -33,9 +33,8 @@ from upipe_dtensor.data.token_files import TokenFolder, file_sha256, is_token_fo
 
 SHOWN = 3
 """Bad records (and changed files) named in a message; the rest are counted."""
-BAD_RECORDS_FIX = (
-    "fix or remove them, set [training] dataset_text_field to the field that holds the text, or "
-    "set [training] skip_bad_records = true to train on the other records"
+FIX_RECORDS = (
+    "fix or remove them, set [training] dataset_text_field to the field that holds the text"
 )
 
 
@@ -86,6 +85,24 @@ class DataScan:
     bad_count: int = 0
     sources: list[SourceScan] = field(default_factory=list)
     """Each source's size, in the order of [[training.sources]] (one without tables)."""
+
+    @property
+    def emptied_sources(self) -> list[str]:
+        """The sources with bad records and no good one: skipping would leave them empty."""
+        return [source.description for source in self.sources if source.documents == 0]
+
+    def bad_records_fix(self) -> str:
+        """What to do about the bad records: skipping them is offered only where every source
+        keeps a document to train on."""
+        if self.emptied_sources:
+            return (
+                f"{FIX_RECORDS} (every record of {', '.join(self.emptied_sources)} is bad, so "
+                "[training] skip_bad_records = true would leave nothing of it to train on)"
+            )
+        return (
+            f"{FIX_RECORDS}, or set [training] skip_bad_records = true to train on the other "
+            "records"
+        )
 
     def bad_summary(self) -> str:
         """The bad records in one line: how many, and the first few with file and line."""

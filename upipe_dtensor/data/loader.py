@@ -48,7 +48,12 @@ from upipe_dtensor.data.mixture import (
     hash_document,
     mixture_description,
 )
-from upipe_dtensor.data.token_files import TokenFolder, TokenStream, is_token_folder
+from upipe_dtensor.data.token_files import (
+    TokenFolder,
+    TokenStream,
+    is_token_folder,
+    without_manifest,
+)
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 RECORD_FIX = (
@@ -256,7 +261,9 @@ def list_files(dataset_path: str, key: str = "dataset_path") -> list[Path]:
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not files:
-        raise ValueError(f"{key} {dataset_path!r} holds no {kinds} files; {fix}")
+        raise ValueError(
+            without_manifest(root, key) or f"{key} {dataset_path!r} holds no {kinds} files; {fix}"
+        )
     return files
 
 

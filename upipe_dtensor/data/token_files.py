@@ -46,12 +46,31 @@ OFFSETS = "documents.bin"
 FORMAT = "upipe-dtensor token folder"
 VERSION = 1
 OFFSET_DTYPE = np.dtype("<i8")
+MANIFEST_KEYS = ("dtype", "documents", "tokens", "tokens_sha256", "documents_sha256", "tokenizer")
+"""What a manifest of this version must hold besides its format and version."""
+TOKENIZE_AGAIN = "tokenize the text again (python -m upipe_dtensor.tokenize)"
 
 
 def is_token_folder(path: str | Path) -> bool:
     """Whether ``path`` is a token folder: a folder holding ``tokens.json`` (the one rule that
     tells a token folder from a folder of text files)."""
     return (Path(path) / MANIFEST).is_file()
+
+
+def without_manifest(path: str | Path, key: str = "dataset_path") -> str:
+    """What is wrong with ``path`` if it holds a token folder's ``.bin`` files but no manifest
+    (a copy cut short, or the manifest deleted), in one line; "" otherwise. Without its manifest
+    a folder is not a token folder (``is_token_folder``), so the text reader would otherwise
+    report it as a folder holding no text files."""
+    folder = Path(path)
+    found = [name for name in (TOKENS, OFFSETS) if (folder / name).is_file()]
+    if not found or is_token_folder(folder):
+        return ""
+    return (
+        f"{key} {str(path)!r} holds {' and '.join(found)} but no {MANIFEST}, the manifest that "
+        "makes it a token folder (it is written last: the folder was copied in part, or the "
+        f"manifest removed); copy the whole folder again, or {TOKENIZE_AGAIN}"
+    )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -159,17 +178,27 @@ class TokenFolder:
     @classmethod
     def open(cls, path: str, key: str = "dataset_path") -> TokenFolder:
         folder = Path(path)
-        fix = "tokenize the text again (python -m upipe_dtensor.tokenize)"
+        fix = TOKENIZE_AGAIN
+        damaged = f"{key} {path!r}: its manifest {MANIFEST} is damaged"
         try:
             manifest = json.loads((folder / MANIFEST).read_text())
-        except (OSError, ValueError) as err:
+        except OSError as err:
             raise ValueError(f"{key} {path!r}: cannot read {MANIFEST} ({err}); {fix}") from err
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError: cut short or overwritten
+            raise ValueError(
+                f"{damaged} (not JSON: {err}); copy the folder again or {fix}"
+            ) from err
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ValueError(f"{key} {path!r}: {MANIFEST} is not a token folder manifest; {fix}")
         if manifest.get("version") != VERSION:
             raise ValueError(
                 f"{key} {path!r} is token folder version {manifest.get('version')}, this code "
                 f"reads version {VERSION}; {fix}"
+            )
+        missing = [name for name in MANIFEST_KEYS if name not in manifest]
+        if missing:
+            raise ValueError(
+                f"{damaged}: it has no {', '.join(missing)}; copy the folder again or {fix}"
             )
         dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         expected = {

@@ -33,6 +33,14 @@ upipe_dtensor.integrations.torchtitan`` (same arguments), torchtitan's ``main`` 
 ``UPipeTrainer``, whose post-dataloading step lays out inputs and labels by the style's
 ``shard_positions``; it takes every style and ignores the balancer.
 
+**Checked first.** ``python -m upipe_dtensor.integrations.torchtitan`` (``main``) makes every check
+that needs no device (the ``[upipe]`` options, the geometry, tensor parallelism) from the job
+config alone, before torchtitan sets up a device or a process group: a mistake is one line, once
+per launch, exit 2, on any machine; ``--check-only`` makes them alone and says what would run
+(torchtitan 0.2.2 trains on CUDA only, so that is what a CPU machine can try). Under ``-m
+torchtitan.train`` the same checks run in the spec's ``parallelize_fn``, after torchtitan's
+device set-up.
+
 **What needs this project's trainer** (``train.py``), not silently dropped here:
 
 - 2D (``ring_degree > 1``): torchtitan's ``ParallelDims`` builds one ``cp`` mesh dimension, not
@@ -54,9 +62,11 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import torch
 import tyro
@@ -67,6 +77,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.train import Trainer
 
+from upipe_dtensor.errors import ConfigError
 from upipe_dtensor.kernels.backends import BACKENDS
 from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
@@ -75,6 +86,7 @@ from upipe_dtensor.models.family import FAMILIES
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.parallel.registry import STYLES, make_style, option_types
 from upipe_dtensor.parallel.style_options import Geometry, OptionError
+from upipe_dtensor.runtime.errors import end_process, run_main
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +99,15 @@ class UPipeSettings:
     """The ``[upipe]`` keys that are not a style's own options (those are added below from the
     registry, so every registered style's options are keys here too)."""
 
-    cp_style: Literal[tuple(STYLES)] = "upipe"  # type: ignore[valid-type]
+    cp_style: str = "upipe"
     """Context-parallel attention over torchtitan's cp mesh: 'upipe' (a few heads per stage),
     'ulysses' (all heads), 'ring' (K/V around the CP group) or 'fpdt' (Ulysses over sequence
-    chunks, earlier chunks' K/V in host memory). As this project's [parallelism] cp_style."""
-    attention_backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
-    """Local attention kernel, as this project's [parallelism] attention_backend ('auto': the
-    fastest that runs here; sdpa on CPU)."""
+    chunks, earlier chunks' K/V in host memory). As this project's [parallelism] cp_style.
+    Checked by the plug-in, not the parser, so a wrong name is one line, not one per rank."""
+    attention_backend: str = "auto"
+    """Local attention kernel, as this project's [parallelism] attention_backend: 'auto' (the
+    fastest that runs here; sdpa on CPU), 'fa3', 'fa4', 'cudnn', 'flash' or 'sdpa'. Checked by
+    the plug-in, as cp_style is."""
     ring_degree: int = 1
     """Must be 1: 2D context parallelism (> 1) needs a (cp_ring, cp_heads) mesh, which torchtitan
     does not build (this project's trainer does)."""
@@ -258,6 +272,11 @@ def make_cp_style(
             "(cp_ring, cp_heads) mesh, which torchtitan's ParallelDims does not build; set "
             "ring_degree = 1, or train with this project's train.py (recipes/multinode/)"
         )
+    if settings.attention_backend not in BACKENDS:
+        raise ValueError(
+            f"[upipe] attention_backend = {settings.attention_backend!r} is not one of "
+            f"{list(BACKENDS)}"
+        )
     try:
         return make_style(
             settings,
@@ -274,6 +293,30 @@ def make_cp_style(
         raise ValueError(f"[upipe] {err}") from None
 
 
+def refuse_tensor_parallelism(degree: int) -> None:
+    """ValueError for ``degree`` > 1: the styles' fused attention op needs whole projections."""
+    if degree > 1:
+        raise ValueError(
+            f"[parallelism] tensor_parallel_degree = {degree}: the CP styles' fused attention "
+            "op computes with unsharded projection weights; set tensor_parallel_degree = 1 and "
+            "give the ranks to data_parallel_shard_degree"
+        )
+
+
+def checked_style(
+    args: Any, job_config: Any, cp_degree: int, *, lays_out_inputs: bool
+) -> ContextParallelAttention:
+    """The ``[upipe]`` style for torchtitan model ``args`` over ``cp_degree`` ranks, with every
+    check that needs no device: the options and the geometry (``make_cp_style``) and, unless the
+    trainer lays out its inputs by the style, the balancer's layout (``check_load_balancer``)."""
+    seq_len = job_config.training.seq_len
+    style = make_cp_style(args, upipe_settings(job_config), cp_degree, seq_len)
+    if not lays_out_inputs:
+        balancer = job_config.parallelism.context_parallel_load_balancer
+        check_load_balancer(style, balancer, seq_len, cp_degree)
+    return style
+
+
 def parallelize_with_style(
     model: nn.Module,
     parallel_dims: ParallelDims,
@@ -284,19 +327,16 @@ def parallelize_with_style(
     """A train spec's ``parallelize_fn``: the ``[upipe]`` style on every attention module over
     torchtitan's cp mesh, the tiled MLP and RMSNorm if asked, then ``then`` (torchtitan's own
     parallelize function: activation checkpointing, compile, FSDP) with its CP skipped."""
+    refuse_tensor_parallelism(parallel_dims.tp if parallel_dims.tp_enabled else 1)
     settings = upipe_settings(job_config)
-    if parallel_dims.tp_enabled:
-        raise ValueError(
-            f"[parallelism] tensor_parallel_degree = {parallel_dims.tp}: the CP styles' fused "
-            "attention op computes with unsharded projection weights; set "
-            "tensor_parallel_degree = 1 and give the ranks to data_parallel_shard_degree"
-        )
     if parallel_dims.cp_enabled:
-        seq_len = job_config.training.seq_len
-        style = make_cp_style(model.model_args, settings, parallel_dims.cp, seq_len)
+        style = checked_style(
+            model.model_args,
+            job_config,
+            parallel_dims.cp,
+            lays_out_inputs=_STYLE_LAYS_OUT_INPUTS.get(),
+        )
         balancer = job_config.parallelism.context_parallel_load_balancer
-        if not _STYLE_LAYS_OUT_INPUTS.get():
-            check_load_balancer(style, balancer, seq_len, parallel_dims.cp)
         parallelize_module(model, parallel_dims.get_mesh("cp"), {"layers.*.attention": style})
         logger.info(
             "[upipe] %s over cp %d, inputs laid out by %s",
@@ -372,13 +412,84 @@ def register_train_specs() -> None:
         )
 
 
+CHECK_ONLY = "--check-only"
+"""``python -m upipe_dtensor.integrations.torchtitan --check-only ARGS``: the checks alone."""
+
+
+def check_job_config(job_config: Any) -> str:
+    """Every check of the plug-in that needs no device or process group, from torchtitan's job
+    config alone, as ``UPipeTrainer`` will see it (inputs laid out by the style): ConfigError in
+    one line naming the key and a fix; else what will run, in words."""
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if not (name.endswith(SPEC_SUFFIX) and name.removesuffix(SPEC_SUFFIX) in FAMILIES):
+        specs = ", ".join(family + SPEC_SUFFIX for family in FAMILIES)
+        return f"[model] name = {name!r} is not a spec of this plug-in ({specs}): nothing to check"
+    args = get_train_spec(name).model_args.get(flavor)
+    if args is None:
+        return f"[model] flavor = {flavor!r} is not a flavor of {name}: torchtitan will say so"
+    parallelism = job_config.parallelism
+    cp = parallelism.context_parallel_degree
+    try:
+        refuse_tensor_parallelism(parallelism.tensor_parallel_degree)
+        if cp <= 1:
+            return f"{name} {flavor}: context_parallel_degree = {cp}: no CP style applied"
+        style = checked_style(args, job_config, cp, lays_out_inputs=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        checked_style(args, job_config, cp, lays_out_inputs=False)
+        balancer = "and so does the balancer -m torchtitan.train would cut them by"
+    except ValueError:
+        balancer = "(-m torchtitan.train, cutting them by its balancer, would refuse it)"
+    return f"{name} {flavor}: {style} over cp {cp}, inputs laid out by the style, {balancer}"
+
+
+def refuse_a_machine_torchtitan_cannot_train_on() -> None:
+    """ConfigError where torchtitan 0.2.2 would take the device it cannot use: without an
+    accelerator its device detection falls back to CUDA (``tools/utils.py``), and every rank
+    then dies in ``torch.cuda.set_device``."""
+    from torchtitan.tools import utils
+
+    if utils.device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "torchtitan 0.2.2 trains on CUDA GPUs only (without one, its device set-up calls "
+            f"torch.cuda.set_device and every rank fails), and this machine has none: {CHECK_ONLY} "
+            "runs the plug-in's checks on any machine (docs/torchtitan.md)"
+        )
+
+
+def main(argv: list[str]) -> int:
+    """torchtitan's ``main`` with ``UPipeTrainer`` (the module docstring), after the plug-in's
+    checks: a bad option, geometry or layout is one line (once per launch) and exit 2 before
+    torchtitan sets up a device or a process group, on any machine. ``--check-only``: the checks
+    alone, in one process, printing what would run."""
+    check_only = CHECK_ONLY in argv
+    args = [arg for arg in argv if arg != CHECK_ONLY]
+
+    def check() -> None:
+        from torchtitan.config import ConfigManager
+
+        described = check_job_config(ConfigManager().parse_args(args))
+        if check_only:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{described}; the checks passed (nothing trained: {CHECK_ONLY})")
+            return
+        refuse_a_machine_torchtitan_cannot_train_on()
+
+    code = run_main(check)
+    if code or check_only:
+        return code
+    from torchtitan.train import main as torchtitan_main
+
+    torchtitan_main(UPipeTrainer)  # it parses sys.argv, which holds no --check-only here
+    return 0
+
+
 if __name__ == "__main__":
     # This file run as a script: its trainer, with the specs registered once, by the module's
     # import name (which --experimental.custom_import and the config module also import).
-    from torchtitan.train import main
-
     from upipe_dtensor.integrations import torchtitan as plugin
 
-    main(plugin.UPipeTrainer)
+    end_process(plugin.main(sys.argv[1:]))
 else:
     register_train_specs()

@@ -538,7 +538,14 @@ def main(argv: list[str]) -> int:
         )
     return run_main(
         lambda: stand_in.run(
-            job, args.device, args.steps, args.world_size, args.plan, args.json, args.profile
+            job,
+            args.device,
+            args.steps,
+            args.world_size,
+            args.plan,
+            args.json,
+            args.profile,
+            args.cpu_minutes,
         ),
         report_on_stdout=True,
     )

@@ -15,7 +15,7 @@ from upipe_dtensor.checkpointing.snapshots import snapshots
 from upipe_dtensor.checkpointing.weights import unloaded_hf_weights
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.checks import data_error
-from upipe_dtensor.data.checks import BAD_RECORDS_FIX, DataScan, scan_sources
+from upipe_dtensor.data.checks import DataScan, scan_sources
 from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
 from upipe_dtensor.data.startup_warnings import data_warnings
 from upipe_dtensor.jobs.export import check_export_target
@@ -67,8 +67,8 @@ def check_data(config: JobConfig, dp: int) -> DataScan | None:
         scan = scan_sources([s.path for s in training.data_sources], training.dataset_text_field)
     except ValueError as err:
         raise data_error(config, str(err)) from err
-    if scan.bad_count and not training.skip_bad_records:
-        raise data_error(config, f"{scan.bad_summary()}; {BAD_RECORDS_FIX}")
+    if scan.bad_count and (not training.skip_bad_records or scan.emptied_sources):
+        raise data_error(config, f"{scan.bad_summary()}; {scan.bad_records_fix()}")
     if os.environ.get("RANK", "0") != "0":
         return scan
     if scan.bad_count:

@@ -1,5 +1,6 @@
 """A training job's snapshots: which one it resumes from, whether it may (the same data-parallel
-degree, model settings and data as the snapshot's, or a change the job accepts), and the
+degree, model settings and data as the snapshot's, or a change the job accepts; a step that holds
+other than the snapshot's is said, or refused where the data position cannot follow), and the
 checkpointer that saves the next ones, with its free-space report.
 
 Decided before the model is built: the snapshot is chosen and checked from its manifest alone
@@ -16,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from upipe_dtensor.checkpointing.batch_record import batch_record, check_batch_change
 from upipe_dtensor.checkpointing.manifest import read_manifest
 from upipe_dtensor.checkpointing.model_record import check_model_unchanged, model_record
 from upipe_dtensor.checkpointing.snapshots import (
@@ -73,9 +75,12 @@ def check_resumable(
 ) -> None:
     """Refuse (``ConfigError``, every rank) a snapshot trained with other model settings or on
     other data, unless the job accepts the change (``[checkpoint] accept_model_change``,
-    ``accept_data_change``), which is then a warning."""
-    config = setup.config
-    check_model_unchanged(snapshot, config, setup.args, rank0=dist.get_rank() == 0)
+    ``accept_data_change``), which is then a warning; a step that holds other than the
+    snapshot's is said in one line, or refused where its data position cannot follow
+    (``batch_record``)."""
+    config, rank0 = setup.config, dist.get_rank() == 0
+    check_model_unchanged(snapshot, config, setup.args, rank0=rank0)
+    check_batch_change(snapshot, config, setup.dp, snapshot_step(snapshot), rank0=rank0)
     on_every_rank(
         lambda: check_data_unchanged(snapshot, config, fingerprint, setup.dp_rank, dataloader)
     )
@@ -145,6 +150,7 @@ def job_checkpointer(
         job=job_geometry(config, setup),
         data=data,
         model_settings=model_record(config, setup.args),
+        batch=batch_record(config),
     )
     checkpointer.snapshot_bytes = snapshot_bytes_estimate(model)
     line, fits = on_rank0(

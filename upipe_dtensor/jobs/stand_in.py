@@ -34,7 +34,9 @@ this host cannot hold it, or when the plan's allocator peak exceeds this device.
 On CPU (``--device cpu``) the same code runs with a small model, and the peak is that of the live
 tensors (the planner's CPU tests' tracker, ``planning.tracker``: CPU has no caching allocator to
 ask), compared with a CPU plan; the time is printed without a prediction (the step-time model
-prices a CPU only with a measured profile, ``--profile``).
+prices a CPU only with a measured profile, ``--profile``). A recipe's rank holds days of CPU
+work, so before anything is built the plan's FLOPs at this CPU's matmul rate bound the run's
+time, and a run past ``--cpu-minutes`` is refused in one line naming the debug model's form.
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ logger = logging.getLogger(__name__)
 GiB = 2**30
 HOST_SHARE = 0.9
 """Of the host memory available now, the most one rank's planned host memory may take."""
+CPU_MINUTES = 15.0
+"""The longest CPU run the stand-in starts by default (``--cpu-minutes``): a recipe's rank holds
+hours of CPU work per step, so beyond this it is refused, naming ``CPU_FORM``."""
+CPU_FORM = (
+    "python -m upipe_dtensor.gpu_check --stand-in --device cpu --config "
+    "train_configs/debug_model.toml --parallelism.context_parallel_degree 4"
+)
+"""The stand-in's form for a CPU: the debug model as rank 0 of 4 (minutes; docs/gpu.md)."""
 CATEGORIES = (
     "matmul",
     "attention forward",
@@ -178,6 +188,43 @@ def refuse_what_does_not_fit(plan: dict, device: torch.device) -> None:
                 f"this GPU's {total / GiB:.1f} GiB: the stand-in would run out of memory; plan "
                 "the job (python -m upipe_dtensor.plan) for a GPU that holds it"
             )
+
+
+def cpu_matmul_flops() -> float:
+    """This CPU's float32 matmul rate now, FLOP/s: one 1024-square product, timed as the kernel
+    rates are (``kernel_rates.seconds_per_call``), in well under a second. A step's matmuls run
+    near it, its attention and memory-bound ops slower."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 2 * 1024**3 / kernel_rates.seconds_per_call(lambda: a @ b, torch.device("cpu"))
+
+
+def refuse_a_cpu_run_too_long(plan: dict, steps: int, minutes: float, what: str) -> None:
+    """ConfigError, before anything is built, when the plan's counted FLOPs at this CPU's matmul
+    rate put the run's steps past ``minutes``: a lower bound (attention and memory-bound ops run
+    slower than matmuls), so a refused run would take at least that long. A plan made beforehand
+    without the count is not judged."""
+    flops = plan.get("compute_flops")
+    if not flops:
+        return
+    rate = cpu_matmul_flops()
+    runs = steps + 3  # what measure takes on CPU: the tracked step, the warm-up, the profiled one
+    seconds = runs * flops / rate
+    if seconds > 60 * minutes:
+        raise ConfigError(
+            f"{what} on CPU would take at least {_duration(seconds)}: one step counts "
+            f"{flops:.3g} FLOPs of matmul and attention (its plan) and this CPU multiplies at "
+            f"{rate:.3g} FLOP/s (float32, measured now), times the {runs} steps the run takes; "
+            f"past --cpu-minutes {minutes:g}. The form that runs on a CPU in minutes is the "
+            f"debug model's: {CPU_FORM} (or raise --cpu-minutes to wait)"
+        )
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it above 1 (minutes, hours, days)."""
+    for unit, size in (("days", 86400), ("hours", 3600)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds / 60:.0f} minutes"
 
 
 def _stand_in_config(argv: list[str], device: str, dump: str) -> JobConfig:
@@ -536,6 +583,7 @@ def run(
     plan_file: str | None = None,
     json_path: str | None = None,
     profile_path: str | None = None,
+    cpu_minutes: float = CPU_MINUTES,
 ) -> dict:
     """The stand-in run (module docstring); returns the report's dict."""
     config = _stand_in_config(argv, device_type, tempfile.mkdtemp(prefix="stand_in-"))
@@ -543,7 +591,10 @@ def run(
     world = world or config.parallelism.world_size
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("--stand-in on cuda needs a usable GPU; --device cpu runs it on CPU")
+            raise ConfigError(
+                "--stand-in on cuda needs a usable GPU; --device cpu runs it on CPU, where a "
+                f"recipe's rank takes hours a step: the CPU form is {CPU_FORM}"
+            )
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     else:
@@ -563,6 +614,9 @@ def run(
         plan["attention_backend"],
     )
     refuse_what_does_not_fit(plan, device)
+    if device.type == "cpu":
+        what = f"{config.config_file} as rank 0 of {world}"
+        refuse_a_cpu_run_too_long(plan, steps, cpu_minutes, what)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result, lines = report(config, world, plan, measure(config, world, device, steps), name)
     print("\n".join(lines), flush=True)  # the command's output: the measured-vs-planned report
@@ -582,6 +636,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="plan --json of the same job made beforehand (used when it matches)",
     )
+    group.add_argument("--cpu-minutes", type=float, default=CPU_MINUTES,
+                       help="CPU only: refuse a run whose plan's FLOPs at this CPU's measured "
+                       f"matmul rate take longer (default {CPU_MINUTES:g})")  # fmt: skip
     group.add_argument("--profile", default=None,
                        help="CPU only: a measured profile (benchmarks/cpu_profile.py) to price "
                        "the plan")  # fmt: skip

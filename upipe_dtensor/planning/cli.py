@@ -38,6 +38,7 @@ from typing import Any
 from upipe_dtensor.checkpointing.outputs import refuse_existing, writing_file
 from upipe_dtensor.config import OVERRIDES_HELP, JobConfig, parse_args
 from upipe_dtensor.config.schema import StyleOptionValues
+from upipe_dtensor.errors import DoesNotFit
 from upipe_dtensor.parallel.registry import STYLES, style_spec
 from upipe_dtensor.planning.checkpoint_interval import interval_line, suggested_interval
 from upipe_dtensor.planning.floor import refuse_impossible
@@ -409,16 +410,23 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
                 }
             )
         )
-        return
-    print(
-        f"longest context that fits ({args.device_memory_gib:g} GiB/GPU, "
-        f"{args.host_memory_gib:g} GiB host/node):"
-    )
-    for style, best in summary.items():
-        binds = f", {limits[style]} binds" if limits[style] else ""
-        speed = f", {at_best[style].tokens_text()}" if at_best[style] else ""
-        print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M{binds}{speed})")
-    print(f"wrote {out / SWEEP_FILES[0]} and {out / SWEEP_FILES[1]}")
+    else:
+        print(
+            f"longest context that fits ({args.device_memory_gib:g} GiB/GPU, "
+            f"{args.host_memory_gib:g} GiB host/node):"
+        )
+        for style, best in summary.items():
+            binds = f", {limits[style]} binds" if limits[style] else ""
+            speed = f", {at_best[style].tokens_text()}" if at_best[style] else ""
+            print(f"  {style:8s} {best:>12,} tokens ({best / 2**20:.2f}M{binds}{speed})")
+        print(f"wrote {out / SWEEP_FILES[0]} and {out / SWEEP_FILES[1]}")
+    if not any(summary.values()):
+        granule = GRANULE_TOKENS_PER_RANK * config.parallelism.context_parallel_degree
+        raise DoesNotFit(
+            f"{config.config_file}: no style fits even {granule:,} tokens in "
+            f"{args.device_memory_gib:g} GiB per GPU and {args.host_memory_gib:g} GiB host per "
+            "node"
+        )
 
 
 def _speed_at(seq_len: int, plans: list[Plan]) -> StepTime | None:
@@ -462,7 +470,14 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
     if args.json:
         interval = suggested_interval(plan.speed.step_time_s) if plan.speed else None
         print(json.dumps({**plan.as_dict(), "checkpoint_interval": interval}, indent=2))
-        return
-    print(plan.render())
-    if plan.speed:
-        print(interval_line(plan.speed.step_time_s, config.checkpoint.interval))
+    else:
+        print(plan.render())
+        if plan.speed:
+            print(interval_line(plan.speed.step_time_s, config.checkpoint.interval))
+    if not plan.fits:
+        raise DoesNotFit(
+            f"{config.config_file}: {plan.verdict}: {plan.device_peak_bytes / GiB:.2f} GiB per "
+            f"GPU of {budget.device_bytes / GiB:g}, {plan.host_per_node_bytes / GiB:.1f} GiB host "
+            f"per node of {budget.host_bytes_per_node / GiB:g}; --max-context searches the "
+            "settings for the longest context that fits"
+        )

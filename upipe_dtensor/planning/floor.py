@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from upipe_dtensor.config import ConfigError, JobConfig
+from upipe_dtensor.config import JobConfig
+from upipe_dtensor.errors import DoesNotFit
 from upipe_dtensor.models import family_of
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.planning.step import (
@@ -96,7 +97,7 @@ def memory_floor(config: JobConfig, world_size: int, budget: Budget) -> MemoryFl
 def refuse_impossible(
     config: JobConfig, world_size: int, budget: Budget, offload_choices: tuple[bool, ...]
 ) -> None:
-    """ConfigError, before any plan, when the floor exceeds ``budget`` with each FSDP CPU offload
+    """``DoesNotFit``, before any plan, when the floor exceeds ``budget`` with each FSDP CPU offload
     setting the search may use; names what fills the memory and what to change."""
     floor = memory_floor(config, world_size, budget)
     reasons = {offload: floor.problems(budget, offload) for offload in offload_choices}
@@ -105,7 +106,7 @@ def refuse_impossible(
             f"{'with' if offload else 'without'} FSDP CPU offload: {'; '.join(why)}"
             for offload, why in reasons.items()
         )
-        raise ConfigError(
+        raise DoesNotFit(
             f"nothing can fit: {said} (model states: {floor.parameters:,} parameters x 16 "
             f"bytes over {world_size} GPUs). Give each GPU more memory (--device-memory-gib) or "
             "the nodes more (--host-memory-gib), use more GPUs (--world-size) to share the "

@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
+from upipe_dtensor.errors import DoesNotFit
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
 from upipe_dtensor.parallel.style_options import searched_options
@@ -483,7 +484,7 @@ def find_max_context(
         found = plan_at(settings, best)
         plans = [found]
         if not found.fits:
-            raise ConfigError(
+            raise DoesNotFit(
                 f"{best:,} tokens do not fit even with every searched setting at its most "
                 "memory-saving value: " + found.render()
             )
@@ -526,7 +527,7 @@ def find_max_context(
             if longer > best:
                 best, plans, settings = longer, more, other
         if best == 0:
-            raise ConfigError(
+            raise DoesNotFit(
                 f"not even {granule:,} tokens fit {budget.device_bytes / GiB:g} GiB per GPU and "
                 f"{budget.host_bytes_per_node / GiB:g} GiB host per node: "
                 + min(plans, key=lambda p: p.seq_len).render()

@@ -159,6 +159,9 @@ class Plan:
     int64 positions, per micro-batch (the document ids live in host memory)."""
     speed: StepTime | None = None
     """The predicted step time on the plan's hardware profile (None: no profile given)."""
+    compute_flops: float = 0.0
+    """One rank's matmul and attention FLOPs in one step, as counted (``planning.step_work``),
+    with or without a profile: a CPU stand-in run bounds its own time by it before it starts."""
     host_holds: str = "activation offload"
     """What the host memory holds, in words (FSDP CPU offload only when it is on)."""
     process_group_backend: str = ""
@@ -589,6 +592,7 @@ def plan_job(
         budget=budget,
         document_metadata_bytes=document_metadata_bytes(config),
         speed=speed,
+        compute_flops=work.matmul_flops + sum(work.attention_flops.values()),
         host_holds="activation offload"
         + (", FSDP CPU offload" if config.training.enable_cpu_offload else ""),
         process_group_backend=backend,

@@ -2,10 +2,11 @@
 one ladder from outcome to exit code that every command (train.py, evaluate, convert, plan) uses.
 
 ``ConfigError`` covers what the user wrote; ``JobError``, ``JobComplete`` and ``JobStopped`` cover
-what the run found (all four live in the leaf ``upipe_dtensor.errors`` and are re-exported here).
-Exit codes: 0 done (or nothing left to do); 1 a run-time failure explained in one line; 2 a
-configuration error; 128 + N stopped by signal N (after saving a snapshot, for a training job
-stopped between steps; 130 for Ctrl-C).
+what the run found; ``DoesNotFit`` is the planner's answer "does not fit" (all five live in the
+leaf ``upipe_dtensor.errors`` and are re-exported here). Exit codes: 0 done (or nothing left to
+do); 1 a run-time failure explained in one line; 2 a configuration error; 3 the planner's
+answer "does not fit" (``DOES_NOT_FIT``); 128 + N stopped by signal N (after saving a snapshot,
+for a training job stopped between steps; 130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from upipe_dtensor.errors import ConfigError, JobComplete, JobError, JobStopped
+from upipe_dtensor.errors import ConfigError, DoesNotFit, JobComplete, JobError, JobStopped
 from upipe_dtensor.runtime.logs import set_up_logging
 
 __all__ = [
+    "DOES_NOT_FIT",
     "ConfigError",
+    "DoesNotFit",
     "JobComplete",
     "JobError",
     "JobStopped",
@@ -34,6 +37,11 @@ __all__ = [
     "say_outcome",
 ]
 
+
+DOES_NOT_FIT = 3
+"""The exit code of the planner's answer "does not fit" (``DoesNotFit``): not 0, so a script that
+books GPUs on the plan cannot take it for "fits"; not 1 or 2, so it cannot take it for a
+failure or a mistake in the job."""
 
 OUTCOME_WAIT = timedelta(seconds=60)
 """How long a rank waits for the rank that prints a failure it also reached, and for torchrun's
@@ -115,6 +123,8 @@ def run_main(work: Callable[[], object], *, report_on_stdout: bool = False) -> i
         work()
     except ConfigError as err:
         return report_outcome(f"config error: {err}", 2)
+    except DoesNotFit as answer:
+        return report_outcome(str(answer), DOES_NOT_FIT)
     except JobComplete as done:
         return report_outcome(str(done), 0)
     except JobError as err:
