@@ -192,8 +192,8 @@ def test_constructors_default_to_the_declared_options() -> None:
 def test_repr_shows_non_default_arguments() -> None:
     assert repr(UPipeAttention()) == "UPipeAttention()"
     assert (
-        repr(UPipeAttention(heads_per_stage=4, overlap_stages=False, backend="sdpa"))
-        == "UPipeAttention(heads_per_stage=4, overlap_stages=False, backend='sdpa')"
+        repr(UPipeAttention(heads_per_stage=4, overlap_stages=True, backend="sdpa"))
+        == "UPipeAttention(heads_per_stage=4, overlap_stages=True, backend='sdpa')"
     )
     assert repr(UlyssesAttention(ring_degree=2)) == "UlyssesAttention(ring_degree=2)"
     assert repr(RingAttention()) == "RingAttention()"

@@ -108,9 +108,9 @@ def _rotate_into(x: Tensor, rows: Tensor, sign: float, halves: bool) -> None:
     shape, member = ((2, -1), -2) if halves else ((-1, 2), -1)
     pairs = x.float().unflatten(-1, shape)
     real, imag = pairs.select(member, 0), pairs.select(member, 1)
-    first, second = real * cos, imag * sin
-    first.sub_(second)
-    torch.mul(real, sin, out=second)
+    first = real * cos
+    first.sub_(imag * sin)
+    second = real * sin
     second.add_(imag * cos)
     rotated = x.unflatten(-1, shape)
     rotated.select(member, 0).copy_(first)
