@@ -18,7 +18,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import FeedForward, Transformer
 
 from upipe_dtensor.memory import tiled_mlp
-from upipe_dtensor.memory.tiled_mlp import TiledFeedForward, apply_tiled_mlp, tiled_swiglu
+from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_class, tiled_swiglu
 
 pytestmark = pytest.mark.unit
 
@@ -103,7 +103,7 @@ def test_apply_to_llama_matches_untouched_model(tile, monkeypatch) -> None:
         return tiled_swiglu(*args)
 
     monkeypatch.setattr(tiled_mlp, "tiled_swiglu", spy)
-    assert all(type(b.feed_forward) is TiledFeedForward for b in model.layers.values())
+    assert all(type(b.feed_forward) is tiled_mlp_class(FeedForward) for b in model.layers.values())
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(3))
     logits = {}
     for name, m in (("reference", reference), ("tiled", model)):
