@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE, RoPE
+from torchtitan.models.utils import get_dense_model_nparams_and_flops
 
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.long_context import LongContextModel
@@ -68,6 +69,22 @@ class DecoderArgs:
     @property
     def resolved_ffn_dim(self) -> int:
         return self.ffn_dim
+
+    @property
+    def flops_head_dims(self) -> int:
+        """The q/k plus v head size in torchtitan's attention FLOPs count of the family."""
+        return 2 * self.resolved_head_dim
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """torchtitan's parameter and FLOPs-per-token count of ``model`` with this shape (as
+        0.2.2's args and 0.3.0's configs give it), ``n_layers`` taken from these args."""
+        return get_dense_model_nparams_and_flops(
+            model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            head_dims=self.flops_head_dims,
+            seq_len=seq_len,
+        )
 
     def rope_config(self, rope_class: type[RoPE]) -> RoPE.Config:
         """``rope_class``'s config of this RoPE (theta, Llama3 scaling, head_dim)."""
@@ -166,8 +183,12 @@ class Decoder030(LongContextModel):
         return (attention_masks, rope if is_rope_table(rope) else positions), {}
 
     def reset_rope(self, device: torch.device) -> None:
-        for block in self.layers.values():
-            block.attention.rope.init_states(buffer_device=device)
+        """One tensor of frequencies on ``device``, shared by every layer's ``rope`` (they are
+        equal: as 0.2.2's model holds one buffer, not one per layer)."""
+        ropes = [block.attention.rope for block in self.layers.values()]
+        ropes[0].init_states(buffer_device=device)
+        for rope in ropes[1:]:
+            rope.cache = ropes[0].cache
 
     @staticmethod
     def init_block(block: nn.Module, device: torch.device) -> None:

@@ -75,6 +75,12 @@ class Llama3Args(DecoderArgs):
             self.dim, multiple_of=self.multiple_of, ffn_dim_multiplier=self.ffn_dim_multiplier
         )
 
+    @property
+    def flops_head_dims(self) -> int:
+        """torchtitan's Llama3 counts 2 * dim / n_heads (``Llama3Model.Config``), whatever the
+        head_dim."""
+        return 2 * (self.dim // self.n_heads)
+
 
 def _torchtitan_flavor(name: str) -> Llama3Args:
     """The args of torchtitan's flavor ``name``, read off its config."""
