@@ -168,8 +168,8 @@ def _with_plugin(
     from torchtitan.distributed.context_parallel import cp_shard
     from torchtitan.train import Trainer
 
-    from upipe_dtensor.integrations import torchtitan as plugin_module
     from upipe_dtensor.integrations.torchtitan import UPipeTrainer
+    from upipe_dtensor.integrations.torchtitan import tt022 as plugin_module
 
     for balancer in (None, "headtail"):  # the plug-in's model of how torchtitan cuts sequences
         (cut,), _ = cp_shard(
