@@ -22,7 +22,8 @@ project's ``[parallelism]`` names and checks::
   The styles take the document ids of the whole sequence instead, derived from the same
   positions (``data.documents.document_ids_from_positions``), and RoPE at those positions; so
   torchtitan's inner attention, which the styles replace, is made its maskless one and no
-  ``BlockMask`` is built.
+  ``BlockMask`` is built. A config whose attention masks nothing (torchtitan's
+  ``ScaledDotProductAttention``: causal over the whole sequence) trains so with the style too.
 - **layout**: torchtitan cuts each sequence by ``context_parallel_load_balancer`` when one feeds
   the style its layout (a mismatch is refused at start-up in one line naming the balancer that
   fits, as on 0.2.2); a layout no balancer produces (FPDT's chunk-strided one) is given by
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.config.override import derive
-from torchtitan.models.common import ScaledDotProductAttention
+from torchtitan.models.common import FlexAttention, ScaledDotProductAttention, VarlenAttention
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
@@ -142,6 +143,13 @@ def parallelize_with_style(
     )
 
 
+def _takes_masks(spec: ModelSpec) -> bool:
+    """Whether torchtitan's own attention in ``spec`` would mask documents (flex, varlen), or
+    attends causally over the whole sequence (``ScaledDotProductAttention``, no masks)."""
+    inner = spec.model.first_attention.inner_attention
+    return isinstance(inner, (FlexAttention.Config, VarlenAttention.Config))
+
+
 def _with_style(spec: ModelSpec, settings: Any) -> ModelSpec:
     """``spec`` whose parallelize function applies ``settings``' style first, with torchtitan's
     inner attention maskless (the styles replace it and take document ids, not its masks), and
@@ -173,6 +181,8 @@ class UPipeTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         parallelism = config.parallelism
+        self.documents = _takes_masks(config.model_spec)
+        """Whether the style masks documents (as torchtitan's own attention of the config)."""
         if parallelism.context_parallel_degree > 1:
             if parallelism.spmd_backend != _BACKEND:
                 raise ValueError(
@@ -186,13 +196,12 @@ class UPipeTrainer(Trainer):
             applied_style(self.model_parts[0]) if self.parallel_dims.cp_enabled else None
         )
         self._order: Tensor | None = None
+        """The order of a sequence's tokens torchtitan cuts for the style (None: its own)."""
         if self.cp_style is not None:
             seq_len, cp = config.training.seq_len, self.parallel_dims.cp
-            if not balancer_fits(
-                self.cp_style, parallelism.context_parallel_load_balancer, seq_len, cp
-            ):
-                # No balancer fits (checked at parallelize): torchtitan cuts contiguously an
-                # order in which rank r's piece is the style's tokens.
+            if not fitting_balancers(self.cp_style, seq_len, cp):
+                # No torchtitan balancer produces the style's layout (FPDT's): torchtitan cuts
+                # contiguously an order in which rank r's piece is the style's tokens.
                 parallelism.context_parallel_load_balancer = None
                 self._order = torch.cat(
                     [self.cp_style.shard_positions(seq_len, rank, cp) for rank in range(cp)]
@@ -205,8 +214,9 @@ class UPipeTrainer(Trainer):
             return super().post_dataloading_process(input_dict, labels)
         if "positions" not in input_dict:
             raise ValueError(
-                "the [upipe] style takes the documents from the data loader's per-document "
-                "positions, and this batch has none; use one of torchtitan's text data loaders"
+                "the [upipe] style takes RoPE positions and documents from the data loader's "
+                "per-document positions, and this batch has none; use one of torchtitan's text "
+                "data loaders"
             )
         documents = document_ids_from_positions(input_dict["positions"])
         if self._order is not None:
@@ -214,7 +224,8 @@ class UPipeTrainer(Trainer):
             input_dict = {key: value[:, order] for key, value in input_dict.items()}
             labels = labels[:, order]
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
-        extra["attention_masks"] = documents.to(inputs.device)  # the whole sequence's ids
+        if self.documents:  # the whole sequence's ids, as torchtitan's masks would separate
+            extra["attention_masks"] = documents.to(inputs.device)
         return inputs, labels, extra
 
 
