@@ -44,8 +44,9 @@ class AttentionParts:
         if not hasattr(qkv, "wqkv"):
             return qkv.wq.weight, qkv.wk.weight, qkv.wv.weight, module.wo.weight
         # torchtitan's FusedQKVLinear: rows (n_kv_heads, heads_per_kv + 2, head_dim), the query
-        # heads of each KV head, then its key and its value. Views of the one weight, so autograd
-        # sums the op's three gradients into it.
+        # heads of each KV head, then its key and its value. Slices of the one weight (copies,
+        # as its rows interleave: one layer's q/k/v weights, for this call), so autograd sums the
+        # op's three gradients into it.
         per_kv, head_dim = qkv.heads_per_kv, qkv.head_dim
         rows = qkv.wqkv.weight.unflatten(0, (-1, per_kv + 2, head_dim))
         wq, wk, wv = rows.split([per_kv, 1, 1], dim=1)
