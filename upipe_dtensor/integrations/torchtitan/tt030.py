@@ -181,8 +181,8 @@ class UPipeTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         parallelism = config.parallelism
+        # The style masks documents when torchtitan's own attention of the config would.
         self.documents = _takes_masks(config.model_spec)
-        """Whether the style masks documents (as torchtitan's own attention of the config)."""
         if parallelism.context_parallel_degree > 1:
             if parallelism.spmd_backend != _BACKEND:
                 raise ValueError(
@@ -195,8 +195,8 @@ class UPipeTrainer(Trainer):
         self.cp_style = (
             applied_style(self.model_parts[0]) if self.parallel_dims.cp_enabled else None
         )
+        # The order of a sequence's tokens that torchtitan cuts for the style (None: its own).
         self._order: Tensor | None = None
-        """The order of a sequence's tokens torchtitan cuts for the style (None: its own)."""
         if self.cp_style is not None:
             seq_len, cp = config.training.seq_len, self.parallel_dims.cp
             if not fitting_balancers(self.cp_style, seq_len, cp):
