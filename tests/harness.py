@@ -18,12 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import Transformer
-from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan.models.qwen3.model.model import Qwen3Model
 
+from upipe_dtensor.models.generation import family_module
 from upipe_dtensor.parallel import registry
 from upipe_dtensor.runtime.errors import end_process
 from upipe_dtensor.runtime.parity import (  # noqa: F401 (the tests compare as gpu_check does)
@@ -102,30 +100,28 @@ def run_on_ranks(world_size: int, fn: Callable, *args) -> None:
 
 def tiny_llama(
     n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int = 8, n_layers: int = 2, seed: int = 0
-) -> Transformer:
-    """A small torchtitan Llama3 with deterministic weights (identical on every rank)."""
-    args = TransformerModelArgs(
+) -> nn.Module:
+    """A small torchtitan Llama3 of the installed generation with deterministic weights
+    (identical on every rank); on 0.3.0 with a fused ``wqkv``, as torchtitan's flavors."""
+    torch.manual_seed(seed)
+    return family_module("llama3").torchtitan_model(
         dim=n_heads * head_dim,
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         vocab_size=VOCAB,
-        max_seq_len=seq_len,
-        rope_theta=10000.0,
+        seq_len=seq_len,
     )
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    with torch.no_grad():
-        model.init_weights()
-    return model
 
 
 def tiny_qwen3(
     n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int = 8, n_layers: int = 2, seed: int = 0
-) -> Qwen3Model:
-    """A small torchtitan Qwen3 (QK-norm, rotate-half RoPE) with deterministic weights; the
-    norms' weights are random too, so their gradients and the QK-norm's scale are exercised."""
-    args = Qwen3ModelArgs(
+) -> nn.Module:
+    """A small torchtitan Qwen3 (QK-norm, rotate-half RoPE) of the installed generation with
+    deterministic weights; on 0.3.0 with separate ``wq``/``wk``/``wv``. The norms' weights are
+    random too, so their gradients and the QK-norm's scale are exercised."""
+    torch.manual_seed(seed)
+    model = family_module("qwen3").torchtitan_model(
         dim=n_heads * head_dim,
         n_layers=n_layers,
         n_heads=n_heads,
@@ -133,13 +129,9 @@ def tiny_qwen3(
         head_dim=head_dim,
         hidden_dim=3 * n_heads * head_dim,
         vocab_size=VOCAB,
-        max_seq_len=seq_len,
-        rope_theta=10000.0,
+        seq_len=seq_len,
     )
-    torch.manual_seed(seed)
-    model = Qwen3Model(args)
     with torch.no_grad():
-        model.init_weights()
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)

@@ -31,7 +31,7 @@ from upipe_dtensor.jobs import build, gpu_check
 from upipe_dtensor.kernels import attention, backends, probe
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.kernels.document_blocks import varlen_seqlens
-from upipe_dtensor.models.llama3 import FLAVORS
+from upipe_dtensor.models import FLAVORS
 from upipe_dtensor.parallel import style as style_module
 from upipe_dtensor.planning import step as planning_step
 from upipe_dtensor.planning.rehearsal import GpuRehearsal

@@ -26,7 +26,7 @@ from upipe_dtensor.jobs.stand_in import (
     refuse_what_does_not_fit,
     report,
 )
-from upipe_dtensor.models.llama3 import FLAVORS
+from upipe_dtensor.models import FLAVORS
 from upipe_dtensor.parallel.all_to_all import start_sequence_to_heads
 from upipe_dtensor.planning.step import Budget, plan_job
 from upipe_dtensor.runtime.fake_process_group import (

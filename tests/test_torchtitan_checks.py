@@ -1,5 +1,5 @@
 """The torchtitan plug-in's checks as a command, before torchtitan sets up a device or a process
-group (``python -m upipe_dtensor.integrations.torchtitan``, ``integrations/torchtitan.py``'s
+group (``python -m upipe_dtensor.integrations.torchtitan``, ``integrations/torchtitan/tt022.py``'s
 ``main``): a bad option or geometry is one line, once per launch, on any machine (torchtitan
 0.2.2 on a CPU machine would otherwise fail on every rank in ``torch.cuda.set_device``);
 ``--check-only`` runs the checks alone and says what would run; a run on a machine torchtitan

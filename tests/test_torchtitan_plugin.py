@@ -1,22 +1,19 @@
-"""The torchtitan plug-in (``upipe_dtensor.integrations.torchtitan``) inside torchtitan's own
-``Trainer``: its debug model, 10 steps, CP 2 on CPU gloo ranks, losses equal to torchtitan's
-trainer without CP; and a load balancer that would feed the style the wrong tokens is refused.
+"""The torchtitan 0.2.2 plug-in (``upipe_dtensor.integrations.torchtitan.tt022``) inside
+torchtitan's own ``Trainer``: its debug model, 10 steps, CP 2 on CPU gloo ranks, losses equal to
+torchtitan's trainer without CP; and a load balancer that would feed the style the wrong tokens
+is refused. Skipped on torchtitan 0.3.0 (``test_torchtitan_plugin_030.py``).
 
-torchtitan 0.2.2 does not run on CPU as shipped; ``_torchtitan_on_cpu`` patches, in the rank
-processes only, exactly what these runs need: its device detection (``tools/utils.py`` falls back
-to "cuda" without an accelerator; the modules that copied ``device_type`` / ``device_module`` at
-import get "cpu" and a device module whose memory statistics are zero), and FSDP's gradient
-reduction (torchtitan sets a gradient divide factor, which FSDP2 reduces with PREMUL_SUM, which
-gloo lacks: the test makes FSDP sum, then divide). Every run starts from one seed
-checkpoint written by the baseline, torchtitan's documented way to compare parallelisms (FSDP's
-sharded initialisation draws other numbers than an unsharded one).
+torchtitan 0.2.2 does not run on CPU as shipped; ``torchtitan_cpu.torchtitan_on_cpu`` patches,
+in the rank processes only, exactly what these runs need (device detection, FSDP's PREMUL_SUM).
+Every run starts from one seed checkpoint written by the baseline, torchtitan's documented way
+to compare parallelisms (FSDP's sharded initialisation draws other numbers than an unsharded
+one).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import types
 from pathlib import Path
@@ -25,6 +22,7 @@ from unittest import mock
 import pytest
 import torch
 from harness import run_on_ranks
+from torchtitan_cpu import torchtitan_on_cpu
 
 from upipe_dtensor.integrations.torchtitan import (
     UPipe,
@@ -33,10 +31,14 @@ from upipe_dtensor.integrations.torchtitan import (
     parallelize_with_style,
     torchtitan_layout,
 )
+from upipe_dtensor.models.generation import GENERATION
 from upipe_dtensor.parallel.registry import make_style
 from upipe_dtensor.parallel.style_options import Geometry
 
-pytestmark = pytest.mark.distributed
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(GENERATION != "tt022", reason="torchtitan 0.2.2's plug-in"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = "upipe_dtensor.integrations.torchtitan"
@@ -61,44 +63,6 @@ def _common_args(data: Path, dump: Path) -> list[str]:
         "--checkpoint.enable",
         f"--job.dump_folder={dump}",
     ]
-
-
-@contextlib.contextmanager
-def _torchtitan_on_cpu(rank: int):
-    """What torchtitan 0.2.2 needs to train on CPU gloo ranks (module docstring), and the
-    LOCAL_RANK torchrun would set."""
-    import torchtitan.components.metrics as metrics
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.distributed.utils as dist_utils
-    import torchtitan.tools.utils as tools
-    from torch.distributed.fsdp import FSDPModule
-
-    cpu = types.SimpleNamespace(
-        set_device=torch.cpu.set_device,
-        synchronize=torch.cpu.synchronize,
-        current_device=lambda: 0,  # an index, as barrier(device_ids=...) takes
-        get_device_name=lambda *_: "cpu",
-        get_device_properties=lambda *_: types.SimpleNamespace(total_memory=1),
-        reset_peak_memory_stats=lambda *_: None,
-        empty_cache=lambda: None,
-        memory_stats=lambda *_: {},  # torchtitan reads absent statistics as -1
-    )
-    set_divide_factor = FSDPModule.set_gradient_divide_factor
-
-    def sum_then_divide(module: FSDPModule, factor: float) -> None:
-        set_divide_factor(module, factor)
-        module.set_force_sum_reduction_for_comms(True)
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(os.environ, LOCAL_RANK=str(rank)))
-        for module in (tools, dist_utils, metrics):
-            stack.enter_context(mock.patch.object(module, "device_type", "cpu"))
-            stack.enter_context(mock.patch.object(module, "device_module", cpu))
-        stack.enter_context(mock.patch.object(parallel_dims, "device_type", "cpu"))
-        stack.enter_context(
-            mock.patch.object(FSDPModule, "set_gradient_divide_factor", sum_then_divide)
-        )
-        yield
 
 
 def _train(trainer_class: type, args: list[str], *, save_seed: bool = False) -> list[float]:
@@ -128,7 +92,7 @@ def _baseline(rank: int, world_size: int, common: list[str], out: Path) -> None:
     """torchtitan's own llama3 spec on one rank, no CP; writes the seed checkpoint."""
     from torchtitan.train import Trainer
 
-    with _torchtitan_on_cpu(rank):
+    with torchtitan_on_cpu(rank):
         out.write_text(
             json.dumps(_train(Trainer, [*common, "--model.name=llama3"], save_seed=True))
         )
@@ -168,8 +132,8 @@ def _with_plugin(
     from torchtitan.distributed.context_parallel import cp_shard
     from torchtitan.train import Trainer
 
-    from upipe_dtensor.integrations import torchtitan as plugin_module
     from upipe_dtensor.integrations.torchtitan import UPipeTrainer
+    from upipe_dtensor.integrations.torchtitan import tt022 as plugin_module
 
     for balancer in (None, "headtail"):  # the plug-in's model of how torchtitan cuts sequences
         (cut,), _ = cp_shard(
@@ -185,7 +149,7 @@ def _with_plugin(
         f"--checkpoint.initial_load_path={seed}",
     ]
     losses = {}
-    with _torchtitan_on_cpu(rank):
+    with torchtitan_on_cpu(rank):
         headtail = [
             *plugin,
             "--upipe.heads_per_stage=8",
@@ -362,7 +326,7 @@ def _untied_qwen3() -> contextlib.AbstractContextManager:
 def _qwen3_baseline(rank: int, world_size: int, common: list[str], out: Path) -> None:
     from torchtitan.train import Trainer
 
-    with _torchtitan_on_cpu(rank), _untied_qwen3():
+    with torchtitan_on_cpu(rank), _untied_qwen3():
         losses = _train(Trainer, [*common, "--model.name=qwen3"], save_seed=True)
     out.write_text(json.dumps(losses))
 
@@ -379,7 +343,7 @@ def _qwen3_with_plugin(rank: int, world_size: int, common: list[str], seed: Path
         f"--checkpoint.initial_load_path={seed}",
     ]
     losses = {}
-    with _torchtitan_on_cpu(rank), _untied_qwen3():
+    with torchtitan_on_cpu(rank), _untied_qwen3():
         losses["upipe"] = _train(Trainer, [*plugin, "--checkpoint.folder=upipe"])
         losses["upipe compiled, tiled, full AC"] = _train(
             Trainer,

@@ -48,6 +48,7 @@ from upipe_dtensor.models.hf_config import (
     hf_shape_mismatch,
     read_hf_config,
 )
+from upipe_dtensor.models.long_context import LongContextModel
 from upipe_dtensor.runtime.collectives import broadcast, on_rank0
 
 T = TypeVar("T")
@@ -241,7 +242,7 @@ def _hf_tied_embeddings(folder: str) -> bool:
     return bool(read_hf_config(folder).get("tie_word_embeddings", False))
 
 
-def load_hf_weights(model: nn.Module, args: ModelArgs, folder: str) -> None:
+def load_hf_weights(model: LongContextModel, args: ModelArgs, folder: str) -> None:
     """Fill ``model`` (sharded or not) with the safetensors weights of a Hugging Face folder.
 
     Checkpoints with tied embeddings (Llama 3.2 1B/3B) have no ``lm_head.weight``: the output
@@ -261,8 +262,8 @@ def load_hf_weights(model: nn.Module, args: ModelArgs, folder: str) -> None:
         check_shapes(expected, stored, folder, complete=False)
         dcp.load(hf_group, storage_reader=HuggingFaceStorageReader(folder))
         loaded = adapter.from_hf(hf_group)
-        if tied and "output.weight" in group:
-            loaded["output.weight"] = loaded["tok_embeddings.weight"]
+        if tied and model.OUTPUT_WEIGHT in group:
+            loaded[model.OUTPUT_WEIGHT] = loaded["tok_embeddings.weight"]
         set_model_state_dict(model, _like(loaded, group), options=options)
 
 

@@ -26,6 +26,16 @@ def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
     return ids
 
 
+def document_ids_from_positions(positions: Tensor) -> Tensor:
+    """(B, S) int32 document ids of per-document ``positions``: a document starts where its
+    position is 0 (torchtitan 0.3.0's convention: its loaders emit such positions and its masks
+    are built from them, ``get_document_mask_mod``), and every row starts one; the inverse of
+    ``document_positions``."""
+    starts = positions == 0
+    starts[:, 0] = True
+    return torch.cumsum(starts, dim=1, dtype=torch.int32) - 1
+
+
 def document_positions(doc_ids: Tensor) -> Tensor:
     """(B, S) int64 position of each token inside its document (0 at every document start)."""
     index = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)

@@ -73,7 +73,7 @@ class Tokenizer(HuggingFaceTokenizer):
     """
 
     def __init__(self, tokenizer_dir: str) -> None:
-        super().__init__(tokenizer_dir)
+        super().__init__(tokenizer_path=tokenizer_dir)  # 0.3.0's constructor is keyword-only
         self.tokenizer.encode_special_tokens = True
 
     def encode(  # type: ignore[override]

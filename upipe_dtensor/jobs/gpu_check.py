@@ -54,14 +54,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import Transformer
 
 from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.jobs import kernel_rates, stand_in
 from upipe_dtensor.jobs.build import configure_allocator
 from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, choose_backend
+from upipe_dtensor.models.generation import family_module
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.parallel.registry import STYLES, make_style
@@ -168,17 +167,14 @@ def two_d_mesh(cp: int, device_type: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, (2, cp // 2), mesh_dim_names=("cp_ring", "cp_heads"))
 
 
-def _small_model(seq_len: int, device: torch.device) -> Transformer:
-    args = TransformerModelArgs(
-        dim=HEADS * HEAD_DIM, n_layers=2, n_heads=HEADS, n_kv_heads=KV_HEADS,
-        vocab_size=VOCAB, max_seq_len=seq_len, rope_theta=500000.0,
-    )  # fmt: skip
+def _small_model(seq_len: int, device: torch.device) -> nn.Module:
+    """torchtitan's own small Llama3 (of the installed generation), seed 0, on ``device``."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(args)
-    with torch.no_grad():
-        model.init_weights()
-    return model
+        return family_module("llama3").torchtitan_model(
+            dim=HEADS * HEAD_DIM, n_layers=2, n_heads=HEADS, n_kv_heads=KV_HEADS,
+            vocab_size=VOCAB, seq_len=seq_len, rope_theta=500000.0,
+        )  # fmt: skip
 
 
 def _loss_and_grads(model: nn.Module, tokens, labels, seq_len: int, style=None, mesh=None):

@@ -128,7 +128,7 @@ def apply_compile(model: nn.Module, config: JobConfig) -> None:
 
     Every block shares one compiled graph (per distinct block: kept attention or not): the
     blocks' forwards are classes, not per-block patched functions, so dynamo guards pass for
-    each block after the first (``memory.tiled_mlp.TiledFeedForward``). Shapes are static
+    each block after the first (``memory.tiled_mlp``). Shapes are static
     (``dynamic=False``): a training job has one, and the styles' layout arithmetic is plain
     Python on the sequence length."""
     if config.compile.backend == "inductor":

@@ -18,11 +18,10 @@ only the result is cast to float32.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
-from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.tiling import tile_starts
@@ -35,7 +34,18 @@ TILE_TOKENS = 16384
 the whole shard (at 655K tokens per GPU a stage's float32 copies would be several GiB)."""
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RoPEScalingArgs) -> Tensor:
+class RoPEScaling(Protocol):
+    """Llama3's frequency scaling, as the model families' args hold it (torchtitan 0.2.2's
+    ``RoPEScalingArgs``; on 0.3.0, which folds it into each RoPE module's config, the families'
+    own, ``models.tt030.args``)."""
+
+    scaling_factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RoPEScaling) -> Tensor:
     """The (head_dim/2,) float64 inverse frequencies ``theta ** (-2i / head_dim)`` with Llama3's
     frequency-dependent scaling (``scaling_factor = 1`` leaves them unchanged).
 

@@ -121,11 +121,12 @@ def tiled_rms_norm(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> T
     return out
 
 
-class TiledRMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` computed ``tile_tokens`` tokens at a time (``tiled_rms_norm``); a subclass
-    swapped in by ``apply_tiled_rms_norm`` rather than a patched forward, so ``torch.compile``
-    guards every block's norm by the shared type (``memory.tiled_mlp.TiledFeedForward`` says
-    why). The weight is read per call (FSDP2 swaps it in)."""
+class _TiledForward:
+    """``nn.RMSNorm``'s forward computed ``tile_tokens`` tokens at a time (``tiled_rms_norm``),
+    mixed into a subclass of the norm's own class that ``apply_tiled_rms_norm`` swaps in rather
+    than a patched forward, so ``torch.compile`` guards every block's norm by the shared type
+    (``memory.tiled_mlp`` says why) and the norm stays a torchtitan module (0.3.0 initialises
+    only those). The weight is read per call (FSDP2 swaps it in)."""
 
     tile_tokens: int = 0
     """Tokens per tile; 0 means the model width."""
@@ -133,6 +134,16 @@ class TiledRMSNorm(nn.RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return tiled_rms_norm(x, self.weight, eps, self.tile_tokens or x.shape[-1])
+
+
+_TILED: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _tiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """One tiled subclass per norm class (``nn.RMSNorm``, torchtitan 0.3.0's ``RMSNorm``)."""
+    if issubclass(cls, _TiledForward):
+        return cls
+    return _TILED.setdefault(cls, type(f"Tiled{cls.__name__}", (_TiledForward, cls), {}))
 
 
 def apply_tiled_rms_norm(model: nn.Module, tile_tokens: int = 0) -> None:
@@ -146,5 +157,5 @@ def apply_tiled_rms_norm(model: nn.Module, tile_tokens: int = 0) -> None:
     if any(m.weight is None or len(m.normalized_shape) != 1 for m in norms):
         raise ValueError("tiled RMSNorm needs RMSNorm over the last dimension with a weight")
     for norm in norms:
-        norm.__class__ = TiledRMSNorm
+        norm.__class__ = _tiled_class(type(norm))
         norm.tile_tokens = tile_tokens

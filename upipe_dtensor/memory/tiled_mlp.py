@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchtitan.models.llama3.model.model import FeedForward
 
 from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.op_mode import OpSpec, call
@@ -174,14 +173,16 @@ def tiled_swiglu(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tokens: int
     return call(_FORWARD, x, w1, w2, w3, tile_tokens)
 
 
-class TiledFeedForward(FeedForward):
-    """torchtitan's ``FeedForward`` computed ``tile_tokens`` tokens at a time (``tiled_swiglu``).
+class _TiledForward:
+    """The forward of a family's SwiGLU MLP computed ``tile_tokens`` tokens at a time
+    (``tiled_swiglu``), mixed into a subclass of the MLP's own class (``tiled_mlp_class``).
 
     A subclass that ``apply_tiled_mlp`` swaps in, not a forward patched onto each module:
     ``torch.compile`` guards a patched forward by its identity, so every block would compile
     again (and fullgraph compilation fails past dynamo's recompile limit, 8 blocks); a class is
-    guarded by its type, which every block shares. Weights are read per call, so FSDP2's
-    unsharded parameters (swapped in for the forward) are the ones used.
+    guarded by its type, which every block shares. It keeps the MLP's class (torchtitan 0.3.0
+    initialises only its own ``Module``s). Weights are read per call, so FSDP2's unsharded
+    parameters (swapped in for the forward) are the ones used.
     """
 
     tile_tokens: int = 0
@@ -193,19 +194,24 @@ class TiledFeedForward(FeedForward):
         )
 
 
-_SWIGLU_MLPS: set[type[nn.Module]] = {FeedForward}
+_SWIGLU_MLPS: dict[type[nn.Module], type[nn.Module]] = {}
 """MLP classes that compute ``w2(silu(w1(x)) * w3(x))`` with bias-free ``w1``, ``w2``, ``w3``
-(each model family registers its own: ``models.family``)."""
+(each model family registers its own: ``models.family``), and their tiled subclasses."""
 
 
 def register_swiglu_mlp(cls: type[nn.Module]) -> None:
     """Let ``apply_tiled_mlp`` tile ``cls`` modules (a family's SwiGLU MLP, as Llama3's)."""
-    _SWIGLU_MLPS.add(cls)
+    _SWIGLU_MLPS.setdefault(cls, type(f"Tiled{cls.__name__}", (_TiledForward, cls), {}))
+
+
+def tiled_mlp_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The tiled subclass of a registered SwiGLU MLP class."""
+    return _SWIGLU_MLPS[cls]
 
 
 def _check_swiglu(module: nn.Module | None, path: str) -> None:
     cls = type(module)
-    is_swiglu = (cls in _SWIGLU_MLPS or cls is TiledFeedForward) and all(
+    is_swiglu = (cls in _SWIGLU_MLPS or cls in _SWIGLU_MLPS.values()) and all(
         getattr(module, name).bias is None for name in ("w1", "w2", "w3")
     )
     if not is_swiglu:
@@ -242,5 +248,6 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int = 0) -> None:
         _check_swiglu(module, path)
         modules.append(module)
     for module in modules:
-        module.__class__ = TiledFeedForward
+        if not isinstance(module, _TiledForward):
+            module.__class__ = tiled_mlp_class(type(module))
         module.tile_tokens = tile_tokens

@@ -2,8 +2,10 @@
 need to know of each family, in one entry per family (torchtitan's ``TrainSpec`` plays this
 part there).
 
-``[model] name`` selects the entry. Adding a family is one module (its args, flavors and model
-class, on torchtitan's model) plus one ``register_family`` call below; see docs/design.md,
+``[model] name`` selects the entry. Adding a family is one module per torchtitan generation
+(``models.tt022``, ``models.tt030``: its args, flavors and model class on that generation's
+model, with the same names in each) plus one ``register_family`` call below; the installed
+generation's modules are the ones registered (``models.generation``). See docs/design.md,
 "Adding a model family".
 """
 
@@ -14,16 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torchtitan.models.llama3.model.model import Attention as Llama3Attention
-from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
-from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
-from torchtitan.models.qwen3.model.model import FeedForward as Qwen3FeedForward
-from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from upipe_dtensor.memory.tiled_mlp import register_swiglu_mlp
-from upipe_dtensor.models import llama3, qwen3
+from upipe_dtensor.models.generation import family_module
 from upipe_dtensor.models.long_context import LongContextModel
-from upipe_dtensor.parallel.attention_kinds import AttentionKind, register_attention_kind
+from upipe_dtensor.parallel.attention_kinds import (
+    AttentionKind,
+    KindOf,
+    register_attention_kind,
+)
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class ModelFamily:
     model_class: type[LongContextModel]
     attention_class: type[nn.Module]
     """torchtitan's attention module of the family, which the CP styles replace."""
-    attention: AttentionKind
-    """How the fused attention op computes that module."""
+    attention: AttentionKind | KindOf
+    """How the fused attention op computes that module (or reads it off each module)."""
     mlp_class: type[nn.Module]
     """torchtitan's bias-free SwiGLU MLP of the family (what ``memory.tiled_mlp`` tiles)."""
     hf_model_type: str
@@ -51,8 +52,9 @@ class ModelFamily:
     the family's model does not implement."""
     hf_architecture: str
     """config.json's ``architectures`` entry of an exported folder."""
-    state_dict_adapter: type
-    """torchtitan's state-dict adapter between its names and Hugging Face's."""
+    state_dict_adapter: Callable[[Any, str | None], Any]
+    """``(args, hf_assets_path) ->`` torchtitan's state-dict adapter between its names and
+    Hugging Face's."""
     hf_rope_permuted: tuple[str, ...] = ()
     """Weight names whose rows Hugging Face stores permuted for its RoPE pairing (Llama3's wq,
     wk: torchtitan rotates interleaved pairs, HF the halves); the adapter permutes them."""
@@ -99,34 +101,26 @@ def family_of_hf_config(config: dict[str, Any], source: str) -> ModelFamily:
     )
 
 
-register_family(
-    ModelFamily(
-        name="llama3",
-        args_class=llama3.Llama3Args,
-        flavors=llama3.FLAVORS,
-        model_class=llama3.Llama3,
-        attention_class=Llama3Attention,
-        attention=AttentionKind(family="llama3", rope_pairs="interleaved"),
-        mlp_class=Llama3FeedForward,
-        hf_model_type="llama",
-        args_from_hf=llama3.args_from_hf,
-        hf_architecture="LlamaForCausalLM",
-        state_dict_adapter=llama3.Llama3HFAdapter,
-        hf_rope_permuted=("attention.wq.weight", "attention.wk.weight"),
+def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
+    """Register the installed torchtitan generation's module of family ``name``."""
+    module = family_module(name)
+    register_family(
+        ModelFamily(
+            name=name,
+            args_class=module.ARGS_CLASS,
+            flavors=module.FLAVORS,
+            model_class=module.MODEL_CLASS,
+            attention_class=module.ATTENTION_CLASS,
+            attention=module.ATTENTION_KIND,
+            mlp_class=module.MLP_CLASS,
+            hf_model_type=hf_model_type,
+            args_from_hf=module.args_from_hf,
+            hf_architecture=hf_architecture,
+            state_dict_adapter=module.hf_adapter,
+            hf_rope_permuted=module.HF_ROPE_PERMUTED,
+        )
     )
-)
-register_family(
-    ModelFamily(
-        name="qwen3",
-        args_class=qwen3.Qwen3Args,
-        flavors=qwen3.FLAVORS,
-        model_class=qwen3.Qwen3,
-        attention_class=Qwen3Attention,
-        attention=AttentionKind(family="qwen3", rope_pairs="half", qk_transform="rms_norm"),
-        mlp_class=Qwen3FeedForward,
-        hf_model_type="qwen3",
-        args_from_hf=qwen3.args_from_hf,
-        hf_architecture="Qwen3ForCausalLM",
-        state_dict_adapter=Qwen3StateDictAdapter,
-    )
-)
+
+
+_register("llama3", hf_model_type="llama", hf_architecture="LlamaForCausalLM")
+_register("qwen3", hf_model_type="qwen3", hf_architecture="Qwen3ForCausalLM")

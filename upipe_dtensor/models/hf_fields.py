@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from upipe_dtensor.models.generation import generation_module
+
+RoPEScalingArgs = generation_module().RoPEScalingArgs
+"""Llama3's RoPE scaling as the installed torchtitan generation's families hold it."""
 
 NO_SCALING = RoPEScalingArgs(scaling_factor=1.0)
 """Llama3 scaling with factor 1 leaves every frequency unchanged (Llama 3.0, Qwen3, most test

@@ -2,18 +2,19 @@
 groups, the chunked loss and one RoPE table per forward, seeded initialisation of sharded
 weights, and the FLOPs per token.
 
-A family's model subclasses ``LongContextModel`` before torchtitan's model class (``models.llama3``,
-``models.qwen3``) and keeps its RoPE inverse frequencies (float64, (head_dim/2,)) in the buffer
-that torchtitan's class reads, named by ``ROPE_BUFFER``: the CP style computes the angles of its
-shard's positions only (``kernels.rope``).
+A family's model subclasses its torchtitan generation's mixin of ``LongContextModel``
+(``models.tt022.Decoder022``, ``models.tt030.Decoder030``: where the RoPE frequencies live, how
+a block is called, how torchtitan initialises one) before torchtitan's model class, and keeps
+its RoPE inverse frequencies (float64, (head_dim/2,)) where torchtitan's class keeps its table:
+the CP style computes the angles of its shard's positions only (``kernels.rope``).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +56,32 @@ PLAIN = ForwardPlan()
 
 class LongContextModel(nn.Module):
     """The long-context forward, shared by every family's model class (a mixin listed before
-    torchtitan's model class)."""
+    torchtitan's model class); its torchtitan generation's mixin fills in the hooks below."""
 
-    ROPE_BUFFER: str = ""
-    """The buffer that holds the RoPE inverse frequencies (torchtitan's name in the family)."""
+    model_args: Any
+    """The family's args the model was built from (``models.family.ModelFamily.args_class``)."""
+    OUTPUT_WEIGHT: ClassVar[str]
+    """The output layer's weight in the state dict."""
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """The RoPE inverse frequencies (float64, (head_dim/2,)) the blocks read."""
+        raise NotImplementedError
+
+    def block_arguments(
+        self, rope: torch.Tensor, attention_masks, positions: torch.Tensor | None
+    ) -> tuple[tuple, dict[str, Any]]:
+        """The arguments after ``h`` of every block's call: ``rope`` is the frequencies or this
+        shard's table (``ForwardPlan.shard_rope``), ``positions`` None with a table."""
+        raise NotImplementedError
+
+    def reset_rope(self, device: torch.device) -> None:
+        """Recompute the RoPE frequencies on ``device`` (after weights were materialised)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def init_block(block: nn.Module, device: torch.device) -> None:
+        """torchtitan's initialisation of one block's weights (and buffers on ``device``)."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -79,17 +102,16 @@ class LongContextModel(nn.Module):
         (tokens, vocab) logits.
         """
         h = self.tok_embeddings(tokens)
-        rope = getattr(self, self.ROPE_BUFFER)
+        rope = self.rope_frequencies()
         if plan.shard_rope is not None:  # once per forward, not per block (nor per recompute)
             rope, positions = plan.shard_rope(rope, tokens.shape[1], positions), None
+        args, kwargs = self.block_arguments(rope, attention_masks, positions)
         if plan.checkpoint_groups:
             for group in plan.checkpoint_groups:
-                h = group(
-                    self.layers, h, rope, attention_masks=attention_masks, positions=positions
-                )
+                h = group(self.layers, h, *args, **kwargs)
         else:
             for layer in self.layers.values():
-                h = layer(h, rope, attention_masks=attention_masks, positions=positions)
+                h = layer(h, *args, **kwargs)
         h = self.norm(h)
         if labels is None:
             return self.output(h)
@@ -125,11 +147,6 @@ class LongContextModel(nn.Module):
             )
         return losses.view(labels.shape)
 
-    def reset_rope(self, device: torch.device) -> None:
-        """Recompute the RoPE frequencies on ``device`` (after weights were materialised)."""
-        precompute = getattr(self, f"_precompute_{self.ROPE_BUFFER}")
-        setattr(self, self.ROPE_BUFFER, precompute().to(device))
-
 
 def flops_per_token(model: nn.Module, args, seq_len: int) -> float:
     """Training FLOPs per token: 6 per non-embedding parameter plus causal attention.
@@ -164,7 +181,7 @@ def init_sharded_weights(model: LongContextModel, *, seed: int, device: torch.de
         (model, twin, lambda: twin.init_weights(buffer_device=device))
     ]
     parts += [
-        (model.layers[name], block, functools.partial(_init_block, block, device))
+        (model.layers[name], block, functools.partial(model.init_block, block, device))
         for name, block in blocks.items()
     ]
     for index, (target, source, init) in enumerate(parts):
@@ -176,14 +193,6 @@ def init_sharded_weights(model: LongContextModel, *, seed: int, device: torch.de
         _copy_shards(target, source)
         source.to_empty(device="meta")  # free the whole copy before the next part
     model.reset_rope(device)
-
-
-def _init_block(block: nn.Module, device: torch.device) -> None:
-    """torchtitan's init of one block: Qwen3's takes the buffer device, Llama3's does not."""
-    if "buffer_device" in inspect.signature(block.init_weights).parameters:
-        block.init_weights(buffer_device=device)
-    else:
-        block.init_weights()
 
 
 @torch.no_grad()

@@ -258,7 +258,9 @@ class ContextParallelAttention(ParallelStyle):
             )
         )
         module.cp_style, module.cp_axes = self, _AXES.setdefault(axes, axes)
-        module.__class__ = _context_parallel_class(type(module))
+        module.__class__ = _context_parallel_class(
+            type(module), attention_kind(module).parts.rope_in_module
+        )
         self._applied_axes = axes
         return module
 
@@ -557,15 +559,11 @@ def _chunk_option(chunk_tokens: int | None) -> int:
 
 def _check_attention_module(module: nn.Module) -> None:
     kind = attention_kind(module)  # refuses a class no model family registered
-    missing = [
-        a
-        for a in ("wq", "wk", "wv", "wo", "n_heads", "n_kv_heads", "head_dim")
-        if not hasattr(module, a)
-    ]
+    missing = kind.parts.missing(module)
     if missing:
         raise ValueError(
             f"context-parallel attention styles apply to {kind.family} attention modules with "
-            f"wq/wk/wv/wo projections; {type(module).__name__} lacks {missing}. Check the plan's "
+            f"{kind.parts.name}; {type(module).__name__} lacks {missing}. Check the plan's "
             f"module path (e.g. 'layers.*.attention')."
         )
     if getattr(module, "attn_type", "sdpa") != "sdpa":
@@ -578,14 +576,15 @@ def _check_attention_module(module: nn.Module) -> None:
     if unused:
         raise ValueError(
             f"{type(module).__name__} has parameters {unused} that the context-parallel styles' "
-            f"fused attention op does not compute with ({kind.family}: bias-free wq/wk/wv/wo"
+            f"fused attention op does not compute with ({kind.family}: bias-free "
+            f"{kind.parts.name}"
             + (f" and the {kind.qk_transform} of q_norm/k_norm" if kind.qk_transform else "")
             + "); a model with them needs its family's op support"
         )
-    for name in ("wq", "wk", "wv", "wo"):
-        if isinstance(getattr(module, name).weight, DTensor):
+    for name, weight in kind.parts.projection_weights(module).items():
+        if isinstance(weight, DTensor):
             raise ValueError(
-                f"{name}.weight is already a DTensor: apply the context-parallel style before "
+                f"{name} is already a DTensor: apply the context-parallel style before "
                 f"tensor parallelism or fully_shard"
             )
     if module.head_dim % 2:
@@ -597,17 +596,19 @@ _AXES: dict[_Axes, _Axes] = {}
 _CP_CLASSES: dict[type, type] = {}
 
 
-def _context_parallel_class(cls: type) -> type:
-    """``cls`` with the context-parallel forward: one class per attention class, which the style
-    swaps in. A forward patched onto each layer would be guarded by ``torch.compile`` by its
+def _context_parallel_class(cls: type, module_rope: bool) -> type:
+    """``cls`` with the context-parallel forward (``module_rope``: the forward of a module that
+    holds its RoPE, ``AttentionParts.rope_in_module``): one class per attention class, which the
+    style swaps in. A forward patched onto each layer would be guarded by ``torch.compile`` by its
     identity, so every block would compile again (and fullgraph compilation fails past dynamo's
     recompile limit); a class and a style shared by all layers are guarded once."""
     base = getattr(cls, "_cp_base", cls)
     if base not in _CP_CLASSES:
+        forward = _cp_forward_rope_in_module if module_rope else _cp_forward
         _CP_CLASSES[base] = type(
             f"ContextParallel{base.__name__}",
             (base,),
-            {"forward": _cp_forward, "_cp_base": base, "__module__": __name__},
+            {"forward": forward, "_cp_base": base, "__module__": __name__},
         )
     return _CP_CLASSES[base]
 
@@ -621,6 +622,25 @@ def _cp_forward(
 ) -> Tensor:
     return _cp_attention_forward(
         self, self.cp_style, self.cp_axes, x, freqs_cis, attention_masks, positions
+    )
+
+
+def _cp_forward_rope_in_module(
+    self: nn.Module,
+    x: Tensor,
+    attention_masks: Tensor | None = None,
+    positions: Tensor | None = None,
+) -> Tensor:
+    """torchtitan 0.3.0's ``GQAttention.forward(x, attention_masks, positions)``: RoPE from the
+    module's own ``rope`` part (our models' float64 frequencies, torchtitan's position table), or
+    this shard's RoPE table in the ``positions`` slot, which is how our models pass the table
+    computed once per forward (``models.long_context``: 0.3.0's blocks have no RoPE argument)."""
+    if positions is not None and is_rope_table(positions):
+        rope, positions = positions, None
+    else:
+        rope = self.rope.cache
+    return _cp_attention_forward(
+        self, self.cp_style, self.cp_axes, x, rope, attention_masks, positions
     )
 
 

@@ -1,4 +1,4 @@
-"""UPipe (and Ulysses, ring, FPDT, UPipe x FPDT) inside torchtitan's own trainer.
+"""UPipe (and Ulysses, ring, FPDT, UPipe x FPDT) inside torchtitan 0.2.2's own trainer.
 
 Importing this module registers one torchtitan train spec per model family this project runs,
 ``llama3_upipe`` and ``qwen3_upipe``: torchtitan's own ``llama3`` / ``qwen3`` spec (model,
@@ -63,81 +63,52 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-import tyro
 from torch import Tensor, nn
-from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.train import Trainer
 
 from upipe_dtensor.errors import ConfigError
-from upipe_dtensor.kernels.backends import BACKENDS
+from upipe_dtensor.integrations.torchtitan.common import (
+    UPipe,
+    WithoutTorchtitanCP,
+    applied_style,
+    check_load_balancer,
+    make_cp_style,
+    refuse_tensor_parallelism,
+    torchtitan_layout,
+)
 from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
 from upipe_dtensor.models.family import FAMILIES
 from upipe_dtensor.parallel import ContextParallelAttention
-from upipe_dtensor.parallel.registry import STYLES, make_style, option_types
-from upipe_dtensor.parallel.style_options import Geometry, OptionError
-from upipe_dtensor.runtime.errors import end_process, run_main
+from upipe_dtensor.runtime.errors import run_main
+
+__all__ = [
+    "CHECK_ONLY",
+    "JobConfig",
+    "UPipe",
+    "UPipeTrainer",
+    "check_job_config",
+    "check_load_balancer",
+    "main",
+    "make_cp_style",
+    "parallelize_with_style",
+    "register_train_specs",
+    "torchtitan_layout",
+]
 
 logger = logging.getLogger(__name__)
 
 SPEC_SUFFIX = "_upipe"
 """``[model] name`` of a family's spec here: torchtitan's name plus this."""
-
-
-@dataclass
-class UPipeSettings:
-    """The ``[upipe]`` keys that are not a style's own options (those are added below from the
-    registry, so every registered style's options are keys here too)."""
-
-    cp_style: str = "upipe"
-    """Context-parallel attention over torchtitan's cp mesh: 'upipe' (a few heads per stage),
-    'ulysses' (all heads), 'ring' (K/V around the CP group) or 'fpdt' (Ulysses over sequence
-    chunks, earlier chunks' K/V in host memory). As this project's [parallelism] cp_style.
-    Checked by the plug-in, not the parser, so a wrong name is one line, not one per rank."""
-    attention_backend: str = "auto"
-    """Local attention kernel, as this project's [parallelism] attention_backend: 'auto' (the
-    fastest that runs here; sdpa on CPU), 'fa3', 'fa4', 'cudnn', 'flash' or 'sdpa'. Checked by
-    the plug-in, as cp_style is."""
-    ring_degree: int = 1
-    """Must be 1: 2D context parallelism (> 1) needs a (cp_ring, cp_heads) mesh, which torchtitan
-    does not build (this project's trainer does)."""
-    tiled_mlp: bool = False
-    """Run each SwiGLU MLP over tiles of tokens (this project's [memory] tiled_mlp)."""
-    mlp_tile_tokens: int = 0
-    """Tokens per MLP tile; 0: the model width."""
-    tiled_rms_norm: bool = False
-    """Run every RMSNorm over tiles of tokens (this project's [memory] tiled_rms_norm)."""
-    norm_tile_tokens: int = 0
-    """Tokens per RMSNorm tile; 0: the model width."""
-
-
-def _option_field(key: str, kind: Any) -> tuple[str, Any, Any]:
-    """A style option as an ``[upipe]`` key: its type or None (unset: the style's default)."""
-    takers = " and ".join(repr(name) for name, spec in STYLES.items() if spec.takes(key))
-    text = (
-        f"Option of cp_style {takers}, as this project's [parallelism] {key} (docs/training.md); "
-        "unset: the style's default."
-    )
-    return key, Annotated[kind | None, tyro.conf.arg(help=text)], field(default=None)
-
-
-UPipe = dataclasses.make_dataclass(
-    "UPipe",
-    [_option_field(key, kind) for key, kind in option_types().items()],
-    bases=(UPipeSettings,),
-)
-UPipe.__doc__ = """[upipe]: the CP style torchtitan's trainer runs, with this project's
-[parallelism] names, checked as its job files are (parallel.registry.make_style)."""
 
 
 @dataclass
@@ -165,90 +136,6 @@ _STYLE_LAYS_OUT_INPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
 load balancer is not compared with the style's layout."""
 
 
-class _WithoutTorchtitanCP:
-    """``parallel_dims`` as torchtitan's parallelize functions should see it once the style is
-    applied: its meshes, FSDP over ``dp_shard x cp`` and every other setting unchanged, but
-    ``cp_enabled`` False, the one flag by which they apply torchtitan's own CP (``llama3`` and
-    ``qwen3``'s ``parallelize_*`` in torchtitan 0.2.2 read it only for that and for TP, which is
-    refused here)."""
-
-    cp_enabled = False
-
-    def __init__(self, parallel_dims: ParallelDims) -> None:
-        self._parallel_dims = parallel_dims
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._parallel_dims, name)
-
-
-def torchtitan_layout(balancer: str | None, seq_len: int, cp_degree: int) -> list[Tensor] | None:
-    """The global token indices torchtitan's trainer feeds each cp rank with ``balancer``, as its
-    ``distributed.context_parallel.cp_shard`` cuts them: torch's head-tail balancer reorders the
-    sequence ('headtail'), then it is cut into C equal pieces. None for 'ptrr', which reorders by
-    the batch's flex block masks (which the styles do not take)."""
-    order = torch.arange(seq_len)
-    if balancer == "headtail":
-        order = order[_HeadTailLoadBalancer(seq_len, cp_degree, "cpu")._generate_indices()[0]]
-    elif balancer is not None:
-        return None
-    return list(order.chunk(cp_degree))
-
-
-def _spans(index: Tensor) -> str:
-    """``index`` as its runs of consecutive tokens, e.g. '0-7, 56-63'."""
-    values = index.tolist()
-    runs, start = [], 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[i - 1] + 1:
-            first, last = values[start], values[i - 1]
-            runs.append(f"{first}" if first == last else f"{first}-{last}")
-            start = i
-    return ", ".join(runs)
-
-
-def check_load_balancer(
-    style: ContextParallelAttention, balancer: str | None, seq_len: int, cp_degree: int
-) -> None:
-    """ValueError (one line, naming the fix) unless torchtitan's trainer, cutting sequences by
-    ``balancer``, feeds every cp rank the tokens ``style`` expects, in its order."""
-
-    def fits(name: str | None) -> bool:
-        layout = torchtitan_layout(name, seq_len, cp_degree)
-        return layout is not None and all(
-            torch.equal(layout[rank], style.shard_positions(seq_len, rank, cp_degree))
-            for rank in range(cp_degree)
-        )
-
-    if fits(balancer):
-        return
-    fitting = [name for name in (None, "headtail") if fits(name)]
-    if fitting == [None]:
-        fix = (
-            "remove context_parallel_load_balancer from the job file (None is this plug-in's "
-            "default) or pass --parallelism.context_parallel_load_balancer None"
-        )
-    elif fitting:
-        fix = f"set [parallelism] context_parallel_load_balancer = {fitting[0]!r}"
-    else:
-        fix = (
-            "no torchtitan balancer lays it out: launch with -m upipe_dtensor.integrations."
-            "torchtitan (same arguments), whose trainer lays out inputs by the style"
-        )
-    given = torchtitan_layout(balancer, seq_len, cp_degree)
-    fed = f"gives rank 0 tokens {_spans(given[0])}" if given else "reorders by flex block masks"
-    expected = _spans(style.shard_positions(seq_len, 0, cp_degree))
-    raise ValueError(
-        f"[parallelism] context_parallel_load_balancer = {balancer!r} {fed}, but [upipe] "
-        f"cp_style = {_style_name(style)!r} expects rank 0 to hold tokens {expected} of "
-        f"{seq_len} (RoPE would stay right, the causal order would be wrong): {fix}"
-    )
-
-
-def _style_name(style: ContextParallelAttention) -> str:
-    """The ``cp_style`` name of ``style``'s class."""
-    return next(name for name, spec in STYLES.items() if type(style) is spec.style)
-
-
 def upipe_settings(job_config: Any) -> Any:
     """The job's ``[upipe]`` section; its defaults when the config module was not loaded."""
     section = getattr(job_config, "upipe", None)
@@ -259,48 +146,6 @@ def upipe_settings(job_config: Any) -> Any:
         )
         return UPipe()
     return section
-
-
-def make_cp_style(
-    args: Any, settings: Any, cp_degree: int, seq_len: int
-) -> ContextParallelAttention:
-    """The ``[upipe]`` section's style for a model of torchtitan ``args`` on ``cp_degree`` ranks,
-    checked as this project checks ``[parallelism]`` (ValueError naming the keys and a fix)."""
-    if settings.ring_degree != 1:
-        raise ValueError(
-            f"[upipe] ring_degree = {settings.ring_degree}: 2D context parallelism needs a "
-            "(cp_ring, cp_heads) mesh, which torchtitan's ParallelDims does not build; set "
-            "ring_degree = 1, or train with this project's train.py (recipes/multinode/)"
-        )
-    if settings.attention_backend not in BACKENDS:
-        raise ValueError(
-            f"[upipe] attention_backend = {settings.attention_backend!r} is not one of "
-            f"{list(BACKENDS)}"
-        )
-    try:
-        return make_style(
-            settings,
-            Geometry(
-                n_heads=args.n_heads,
-                n_kv_heads=getattr(args, "n_kv_heads", None) or args.n_heads,
-                cp_degree=cp_degree,
-                ring_degree=1,
-                seq_len=seq_len,
-            ),
-            backend=settings.attention_backend,
-        )
-    except OptionError as err:
-        raise ValueError(f"[upipe] {err}") from None
-
-
-def refuse_tensor_parallelism(degree: int) -> None:
-    """ValueError for ``degree`` > 1: the styles' fused attention op needs whole projections."""
-    if degree > 1:
-        raise ValueError(
-            f"[parallelism] tensor_parallel_degree = {degree}: the CP styles' fused attention "
-            "op computes with unsharded projection weights; set tensor_parallel_degree = 1 and "
-            "give the ranks to data_parallel_shard_degree"
-        )
 
 
 def checked_style(
@@ -352,17 +197,7 @@ def parallelize_with_style(
         apply_tiled_rms_norm(model, settings.norm_tile_tokens)
     if job_config.compile.enable and job_config.compile.backend == "inductor":
         register_inductor_fallbacks()
-    return then(model, _WithoutTorchtitanCP(parallel_dims), job_config)
-
-
-def applied_style(model: nn.Module) -> ContextParallelAttention | None:
-    """The CP style applied to ``model``'s attention modules (found through torchtitan's
-    checkpoint, compile and FSDP wrappers), None without one."""
-    for module in model.modules():
-        style = getattr(module, "cp_style", None)
-        if isinstance(style, ContextParallelAttention):
-            return style
-    return None
+    return then(model, WithoutTorchtitanCP(parallel_dims), job_config)
 
 
 class UPipeTrainer(Trainer):
@@ -459,10 +294,11 @@ def refuse_a_machine_torchtitan_cannot_train_on() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """torchtitan's ``main`` with ``UPipeTrainer`` (the module docstring), after the plug-in's
-    checks: a bad option, geometry or layout is one line (once per launch) and exit 2 before
-    torchtitan sets up a device or a process group, on any machine. ``--check-only``: the checks
-    alone, in one process, printing what would run."""
+    """``python -m upipe_dtensor.integrations.torchtitan``: torchtitan's ``main`` with
+    ``UPipeTrainer`` (the specs are registered once, by this module's import), after the
+    plug-in's checks: a bad option, geometry or layout is one line (once per launch) and exit 2
+    before torchtitan sets up a device or a process group, on any machine. ``--check-only``: the
+    checks alone, in one process, printing what would run."""
     check_only = CHECK_ONLY in argv
     args = [arg for arg in argv if arg != CHECK_ONLY]
 
@@ -485,11 +321,4 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    # This file run as a script: its trainer, with the specs registered once, by the module's
-    # import name (which --experimental.custom_import and the config module also import).
-    from upipe_dtensor.integrations import torchtitan as plugin
-
-    end_process(plugin.main(sys.argv[1:]))
-else:
-    register_train_specs()
+register_train_specs()

@@ -1,4 +1,4 @@
-"""torchtitan's dense Qwen3 on the long-context forward, with QK-norm under every CP style.
+"""torchtitan 0.2.2's dense Qwen3 on the long-context forward, with QK-norm under every CP style.
 
 Qwen3 differs from Llama3 where the fused attention op looks: each query and key head is
 RMS-normalised (``q_norm``/``k_norm``, weight over head_dim) before RoPE, and RoPE rotates the
@@ -19,11 +19,20 @@ import torch
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.qwen3 import qwen3_args
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan.models.qwen3.model.model import Qwen3Model
+from torchtitan.models.qwen3.model.model import Attention, FeedForward, Qwen3Model
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
-from upipe_dtensor.models.long_context import LongContextModel
+from upipe_dtensor.models.tt022 import Decoder022
+from upipe_dtensor.parallel.attention_kinds import AttentionKind
+
+ATTENTION_CLASS = Attention
+"""torchtitan's attention module of the family, which the CP styles replace."""
+ATTENTION_KIND = AttentionKind(family="qwen3", rope_pairs="half", qk_transform="rms_norm")
+MLP_CLASS = FeedForward
+HF_ROPE_PERMUTED: tuple[str, ...] = ()
+"""Qwen3's Hugging Face weights need no RoPE permutation."""
 
 
 @dataclass
@@ -74,7 +83,7 @@ FLAVORS: dict[str, Qwen3Args] = {
 """torchtitan's dense Qwen3 flavors (0.6B-4B untied here, see ``_dense``)."""
 
 
-class Qwen3(LongContextModel, Qwen3Model):
+class Qwen3(Decoder022, Qwen3Model):
     """torchtitan's ``Qwen3Model`` with the long-context forward (``models.long_context``)."""
 
     ROPE_BUFFER = "rope_cache"
@@ -118,3 +127,42 @@ def args_from_hf(config: dict[str, Any], source: str) -> Qwen3Args:
         rope_theta=theta,
         enable_weight_tying=False,
     )
+
+
+def hf_adapter(args: Qwen3Args, hf_assets_path: str | None) -> Qwen3StateDictAdapter:
+    """torchtitan's state-dict adapter between our names and Hugging Face's for ``args``."""
+    return Qwen3StateDictAdapter(args, hf_assets_path)
+
+
+def torchtitan_model(
+    *,
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    hidden_dim: int,
+    vocab_size: int,
+    seq_len: int,
+) -> Qwen3Model:
+    """torchtitan's own unsharded Qwen3 of this shape (its RoPE table, sdpa attention), with
+    torchtitan's initial weights: the reference the styles are compared with."""
+    args = Qwen3ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        hidden_dim=hidden_dim,
+        vocab_size=vocab_size,
+        max_seq_len=seq_len,
+        rope_theta=10000.0,
+    )
+    model = Qwen3Model(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+ARGS_CLASS = Qwen3Args
+MODEL_CLASS = Qwen3

@@ -1,4 +1,5 @@
-"""torchtitan's Llama3, with an explicit ``head_dim`` and FFN size, and no RoPE position table.
+"""torchtitan 0.2.2's Llama3, with an explicit ``head_dim`` and FFN size, and no RoPE position
+table.
 
 torchtitan 0.2.2 derives head_dim as dim // n_heads; the UPipe paper's 32B model (a Qwen3-32B
 shape on the Llama3 architecture) has dim 5120 but 64 heads of 128 (64 * 128 != 5120). It also
@@ -21,14 +22,23 @@ import torch
 from torch import nn
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import FeedForward, Transformer
+from torchtitan.models.llama3.model.model import Attention, FeedForward, Transformer
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
-from upipe_dtensor.models.long_context import LongContextModel
+from upipe_dtensor.models.tt022 import Decoder022
+from upipe_dtensor.parallel.attention_kinds import AttentionKind
 
-__all__ = ["FLAVORS", "Llama3", "Llama3Args", "build_llama3"]
+__all__ = ["FLAVORS", "Llama3", "Llama3Args", "build_llama3", "torchtitan_model"]
+
+ATTENTION_CLASS = Attention
+"""torchtitan's attention module of the family, which the CP styles replace."""
+ATTENTION_KIND = AttentionKind(family="llama3", rope_pairs="interleaved")
+MLP_CLASS = FeedForward
+HF_ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
+"""The weights Hugging Face stores permuted for its RoPE pairing (torchtitan's adapter permutes
+them)."""
 
 
 @dataclass
@@ -77,7 +87,7 @@ FLAVORS: dict[str, Llama3Args] = {
 }
 
 
-class Llama3(LongContextModel, Transformer):
+class Llama3(Decoder022, Transformer):
     """torchtitan ``Transformer`` with ``args.resolved_head_dim`` and ``args.resolved_ffn_dim``,
     and the long-context forward (``models.long_context``)."""
 
@@ -163,3 +173,40 @@ class Llama3HFAdapter(Llama3StateDictAdapter):
 
     def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
         return super()._reverse_permute(w, n_heads_arg)
+
+
+def hf_adapter(args: Llama3Args, hf_assets_path: str | None) -> Llama3HFAdapter:
+    """The state-dict adapter between our names and Hugging Face's for ``args``."""
+    return Llama3HFAdapter(args, hf_assets_path)
+
+
+def torchtitan_model(
+    *,
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    vocab_size: int,
+    seq_len: int,
+    rope_theta: float = 10000.0,
+) -> Transformer:
+    """torchtitan's own unsharded Llama3 of this shape (head_dim = dim / n_heads, its RoPE
+    table, sdpa attention), with torchtitan's initial weights: the reference the styles are
+    compared with (tests, ``gpu_check``)."""
+    args = TransformerModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=vocab_size,
+        max_seq_len=seq_len,
+        rope_theta=rope_theta,
+    )
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+ARGS_CLASS = Llama3Args
+MODEL_CLASS = Llama3
