@@ -61,9 +61,9 @@ from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
 from upipe_dtensor.kernels import rope, tiling  # noqa: E402
 from upipe_dtensor.kernels.op_mode import transparent_ops  # noqa: E402
-from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights  # noqa: E402
+from upipe_dtensor.parallel.attention_op import ALL_GRADIENTS, AttentionParams, AttentionWeights  # noqa: E402
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward  # noqa: E402
-from upipe_dtensor.parallel.projections import forget_head_indices  # noqa: E402
+from upipe_dtensor.parallel.head_stages import forget_head_indices  # noqa: E402
 from upipe_dtensor.parallel.registry import make_style  # noqa: E402
 from upipe_dtensor.parallel.staged_attention import staged_backward, staged_forward  # noqa: E402
 from upipe_dtensor.planning.step_work import StepWorkCounter  # noqa: E402
@@ -247,6 +247,47 @@ def _real(style: str, size: _Sizes) -> int:
 def test_planned_backward_memory(fake_group, style: str) -> None:
     measured, expected = _backward_peak(style, real=False), _planned(style, _Sizes())
     assert 0 <= measured - expected <= INDEX_SLACK, (measured, expected)
+
+
+def _backward_of_gradients(style: str, grads: int) -> tuple[int, int, float]:
+    """(peak, bytes still allocated at the end, matmul FLOPs) of the style's backward asked for
+    the gradients ``grads`` (``AttentionParams.grads``), planned as the planner counts it."""
+    forget_head_indices()  # cached on the other run's fake tensors
+    host = HostMemory(torch.device("meta"))
+    params = dataclasses.replace(_params(style, host, real=False), grads=grads)
+    forward, backward = (
+        (fpdt_forward, fpdt_backward) if style == "fpdt" else (staged_forward, staged_backward)
+    )
+    tracker = LiveMemoryTracker()
+    counter = StepWorkCounter(torch.device("cpu"), torch.device("meta"), gpus_per_node=8)
+    with FakeTensorMode(), transparent_ops(), tracker, counter:
+        x = torch.empty(1, TOKENS, DIM, dtype=torch.bfloat16)
+        rows = (HEADS, KV_HEADS, KV_HEADS)
+        wq, wk, wv = (torch.empty(h * HEAD_DIM, DIM, dtype=torch.bfloat16) for h in rows)
+        weights = AttentionWeights(wq, wk, wv, torch.empty(DIM, DIM, dtype=torch.bfloat16))
+        table = torch.empty(TOKENS, HEAD_DIM // 2, 2)
+        y, out, lse = forward(x, weights, table, None, params)
+        tracker.start_step()
+        start = tracker.totals["cpu"]
+        counter.counting = True
+        result = backward(torch.empty_like(y), x, weights, table, None, out, lse, params)
+        counter.counting = False
+        end = tracker.totals["cpu"] - start
+        del result
+        return tracker.peaks["cpu"].bytes - start, end, counter.work.matmul_flops
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_frozen_weights_cost_no_weight_gradient(fake_group, style: str) -> None:
+    """Asked for dx alone (every weight frozen: ``ctx.needs_input_grad``), the backward ends
+    holding exactly the weights' gradients fewer bytes and counts exactly their matmul FLOPs
+    fewer (dwq, dwk, dwv, dwo: 2 N D per row of each), and peaks lower."""
+    peak, end, flops = _backward_of_gradients(style, ALL_GRADIENTS)
+    frozen_peak, frozen_end, frozen_flops = _backward_of_gradients(style, 1)  # bit 0: x
+    rows = 2 * HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM  # of wq, wo and wk, wv
+    assert end - frozen_end == rows * DIM * BYTES
+    assert flops - frozen_flops == 2 * TOKENS * DIM * rows
+    assert frozen_peak < peak
 
 
 @pytest.mark.parametrize("style", ["upipe", "ulysses", "ring"])

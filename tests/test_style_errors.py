@@ -101,3 +101,14 @@ def test_positions_shape_is_checked(fake_world) -> None:
     model = _apply(tiny_llama(8, 8, seq_len=64), UPipeAttention())
     with pytest.raises(ValueError, match=r"positions must be \(1, 4\) or \(B, 4\)"):
         model(torch.zeros(1, 4, dtype=torch.long), positions=torch.arange(4))
+
+
+def test_attention_entry_refuses_what_does_not_fit(fake_world) -> None:
+    """The op-level entry (``style.attention``) checks shapes and geometry before any
+    exchange."""
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+    q = torch.randn(1, 8, 2 * WORLD, 8)
+    with pytest.raises(ValueError, match=r"give \(B, S/C, H, d\) queries"):
+        UPipeAttention(ring_degree=1).attention(q, q[..., :4], q[..., :4], mesh)
+    with pytest.raises(ValueError, match="is not divisible by heads_per_stage"):
+        UPipeAttention(heads_per_stage=3, ring_degree=1).attention(q, q, q, mesh)

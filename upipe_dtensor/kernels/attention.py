@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import is_fake
 from upipe_dtensor.kernels.document_blocks import segments as document_segments
 from upipe_dtensor.kernels.document_blocks import shared_document, varlen_seqlens
 from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
+from upipe_dtensor.kernels.merge import accumulation_dtype
 
 # --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
 
@@ -329,7 +330,7 @@ def _document_forward(q, k, v, scale, kernel, causal, q_docs, k_docs):
         segments = document_segments(q_docs)
         out, lse = (
             torch.empty_like(q),
-            q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32),
+            q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=accumulation_dtype(q.dtype)),
         )
         for row, spans in enumerate(segments):
             for start, end in spans:
@@ -340,7 +341,10 @@ def _document_forward(q, k, v, scale, kernel, causal, q_docs, k_docs):
         return out, lse
     out = torch.zeros_like(q)
     lse = torch.full(
-        (q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=torch.float32, device=q.device
+        (q.shape[0], q.shape[2], q.shape[1]),
+        -torch.inf,
+        dtype=accumulation_dtype(q.dtype),
+        device=q.device,
     )
     for row, (queries, keys) in enumerate(shared_document(q_docs, k_docs)):
         if queries:

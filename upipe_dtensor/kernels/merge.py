@@ -50,7 +50,7 @@ class PartialAttention:
         # Updated in place: a float32 block output (fresh from the kernel) is taken over, not
         # copied.
         self.out = out.to(accumulation_dtype(out.dtype))
-        self.lse = lse.float().clone()  # updated in place, slice by slice
+        self.lse = lse.to(self.out.dtype, copy=True)  # updated in place, slice by slice
 
     def add(self, out: Tensor, lse: Tensor, start: int = 0) -> None:
         """Fold in the attention of queries ``start:start + len`` over another block of keys."""
@@ -65,5 +65,5 @@ class PartialAttention:
         self.lse[:, :, rows] = merged
 
     def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(out in ``dtype``, lse float32)."""
+        """(out in ``dtype``, lse in the accumulation dtype: float32, float64 for float64)."""
         return self.out.to(dtype), self.lse

@@ -117,5 +117,5 @@ def start_heads_to_sequence(
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
-    """The process group a custom op's string argument names (``projections.resolve_group``)."""
+    """The process group a custom op's string argument names (``head_stages.resolve_group``)."""
     return _resolve_process_group(group_name)

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from upipe_dtensor.kernels.merge import accumulation_dtype
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.memory.kept_attention import in_backward, kept_forward
 
@@ -175,7 +176,8 @@ def _computed(
 
 
 class AttentionOp:
-    """A registered attention op: ``op(x, weights, rope, doc_ids, params) -> y``."""
+    """A registered fused attention op (projections, attention and ``wo``): ``op(x, weights,
+    rope, doc_ids, params) -> y``."""
 
     def __init__(
         self,
@@ -258,6 +260,92 @@ class AttentionOp:
         return y
 
 
+class QKVAttentionOp:
+    """A registered attention op on given queries, keys and values (the styles' op-level entry,
+    ``ContextParallelAttention.attention``): ``op(q, k, v, doc_ids, params) -> (out, lse)``,
+    differentiable in q, k and v. ``lse`` carries no gradient (as the LSE that torch's flash
+    kernels return)."""
+
+    def __init__(self, name: str, forward: Callable, backward: Callable) -> None:
+        """``forward(q, k, v, doc_ids, params) -> (out, lse, saved)``: the attention output and
+        LSE in the inputs' layout, and what backward reads of the LSE (``saved``, in the head
+        layout); ``backward(grad_out, q, k, v, doc_ids, out, saved, params) -> (dq, dk, dv)``."""
+
+        def forward_body(q, k, v, doc_ids, *values):
+            args = (q, k, v, doc_ids, *values)
+            params = _params(values)
+            return _computed(f"{name} forward", args, lambda: forward(q, k, v, doc_ids, params))
+
+        def backward_body(grad_out, q, k, v, doc_ids, out, saved, *values):
+            args = (grad_out, q, k, v, doc_ids, out, saved, *values)
+            params = _params(values)
+            return _computed(
+                f"{name} backward",
+                args,
+                lambda: backward(grad_out, q, k, v, doc_ids, out, saved, params),
+            )
+
+        tensors = "Tensor q, Tensor k, Tensor v, Tensor? doc_ids"
+        forward_op = torch.library.custom_op(
+            f"upipe::{name}_fwd",
+            forward_body,
+            mutates_args=(),
+            schema=f"({tensors}, {_PARAMS_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+        )
+        backward_op = torch.library.custom_op(
+            f"upipe::{name}_bwd",
+            backward_body,
+            mutates_args=(),
+            schema=f"(Tensor grad_out, {tensors}, Tensor out, Tensor saved, {_PARAMS_SCHEMA}) "
+            "-> (Tensor, Tensor, Tensor)",
+        )
+        forward_op.register_fake(_fake_qkv_forward)
+        backward_op.register_fake(
+            lambda grad_out, q, k, v, *_: (
+                torch.empty_like(q),
+                torch.empty_like(k),
+                torch.empty_like(v),
+            )
+        )
+        forward_op.register_autograd(self._backward, setup_context=_setup_qkv_context)
+        self.forward = OpSpec(forward_op, forward_body, _setup_qkv_context, self._backward)
+        self.backward = OpSpec(backward_op, backward_body)
+
+    def _backward(self, ctx, grad_out: Tensor, _grad_lse: Tensor | None, _saved: Tensor | None):
+        q, k, v, doc_ids, out, saved = ctx.saved_tensors
+        grads = call(self.backward, grad_out, q, k, v, doc_ids, out, saved, *ctx.constants)
+        return (*grads, None) + (None,) * len(_PARAM_FIELDS)
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, params: AttentionParams
+    ) -> tuple[Tensor, Tensor]:
+        out, lse, _ = call(self.forward, q, k, v, doc_ids, *_flat(params))
+        return out, lse
+
+
+def _fake_qkv_forward(q, k, v, doc_ids, *values):
+    params = _params(values)
+    batch, local_len, n_heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = q.new_empty(batch, n_heads, local_len, dtype=accumulation_dtype(q.dtype))
+    saved = q.new_empty(
+        n_heads // params.heads_per_stage,
+        batch,
+        params.query_heads_per_rank,
+        local_len * params.head_degree,
+        dtype=accumulation_dtype(q.dtype),
+    )
+    return out, lse, saved
+
+
+def _setup_qkv_context(ctx, inputs, output) -> None:
+    q, k, v, doc_ids, *constants = inputs
+    out, _, saved = output
+    ctx.save_for_backward(q, k, v, doc_ids, out, saved)
+    ctx.constants = constants
+    ctx.set_materialize_grads(False)  # only grad_out is ever used
+
+
 def _inputs(tensors) -> tuple[Tensor, AttentionWeights, Tensor, Tensor | None]:
     """(x, weights, rope, doc_ids) from the op's tensor arguments in schema order."""
     x, *weights, rope, doc_ids = tensors
@@ -275,7 +363,7 @@ def _fake_forward(*args):
         batch,
         params.query_heads_per_rank,
         local_len * params.head_degree,
-        dtype=torch.float32,
+        dtype=accumulation_dtype(x.dtype),
     )
     return y, out, lse
 

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.kernels.backends import op_kernel
-from upipe_dtensor.kernels.merge import PartialAttention, accumulator
+from upipe_dtensor.kernels.merge import PartialAttention, accumulation_dtype, accumulator
 from upipe_dtensor.kernels.tiling import in_order, visited
 from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.layouts import split_lengths
@@ -161,7 +161,7 @@ def fpdt_forward(
         x.shape[0],
         schedule.query_heads_per_rank,
         x.shape[1] * params.head_degree,
-        dtype=torch.float32,
+        dtype=accumulation_dtype(x.dtype),
     )
     # Planning: a visited middle chunk (i = 1) stands for every middle one, whose loops over the
     # earlier chunks grow with i, so its loop stands for their average.

@@ -70,28 +70,73 @@ import torch
 from torch import Tensor
 
 from upipe_dtensor.kernels.backends import op_kernel
-from upipe_dtensor.kernels.merge import add_piece
+from upipe_dtensor.kernels.merge import accumulation_dtype, add_piece
 from upipe_dtensor.parallel.all_to_all import Exchange, start_heads_to_sequence
-from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
+from upipe_dtensor.parallel.attention_op import (
+    AttentionOp,
+    AttentionParams,
+    AttentionWeights,
+    QKVAttentionOp,
+)
 from upipe_dtensor.parallel.head_schedule import Stage
-from upipe_dtensor.parallel.projections import AttentionProjections, resolve_group
+from upipe_dtensor.parallel.head_stages import HeadStages, resolve_group
+from upipe_dtensor.parallel.projections import AttentionProjections
 from upipe_dtensor.parallel.qk_transform import QKTransform
 from upipe_dtensor.parallel.ring import Ring, ring_attention_backward, ring_attention_forward
 
 
-class _Layer(AttentionProjections):
-    """The projections of the whole local shard, plus the ring the stages attend across."""
+class _Ring:
+    """The ring the stages attend across, the local kernel and the softmax scale of a call."""
+
+    def _attend_with(self, params: AttentionParams, like: Tensor, doc_ids: Tensor | None) -> None:
+        group = resolve_group(params.ring_group, params.ring_degree)
+        self.ring = Ring(group, group.rank() if group is not None else 0, params.ring_degree)
+        self.backend = op_kernel(
+            params.backend, params.kernel_device, like, documents=doc_ids is not None
+        )
+        self.scale = params.scale
+
+
+class _Layer(AttentionProjections, _Ring):
+    """The fused op's layer: the projections of the whole local shard ``x``, plus the ring."""
 
     def __init__(
         self, x: Tensor, weights: AttentionWeights, params: AttentionParams, doc_ids: Tensor | None
     ) -> None:
         super().__init__(x, weights, params, QKTransform(weights, params))
-        group = resolve_group(params.ring_group, params.ring_degree)
-        self.ring = Ring(group, group.rank() if group is not None else 0, params.ring_degree)
-        self.backend = op_kernel(
-            params.backend, params.kernel_device, x, documents=doc_ids is not None
+        self._attend_with(params, x, doc_ids)
+
+
+class _GivenLayer(HeadStages, _Ring):
+    """The op-level entry's layer: a stage's queries and a block's keys and values read from
+    the given (B, L, heads, d) ``q``, ``k``, ``v`` of the local shard (already rotated)."""
+
+    def __init__(
+        self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, doc_ids: Tensor | None
+    ) -> None:
+        batch, local_len, n_heads, head_dim = q.shape
+        super().__init__(
+            q,
+            batch,
+            local_len,
+            n_heads,
+            k.shape[2],
+            head_dim,
+            params.head_group,
+            params.head_degree,
+            params.heads_per_stage,
         )
-        self.scale = params.scale
+        self.q, self.k, self.v = q, k, v
+        self._attend_with(params, q, doc_ids)
+
+    def query(self, stage: Stage, rope: None) -> Tensor:
+        return self.read_stage(self.q, stage)
+
+    def key(self, block: int, rope: None) -> Tensor:
+        return self.k[:, :, self.block_heads(block)]
+
+    def value(self, block: int) -> Tensor:
+        return self.v[:, :, self.block_heads(block)]
 
 
 class _ForwardInputs:
@@ -100,7 +145,7 @@ class _ForwardInputs:
     (``overlap``), or each one waited for before the next is projected, so only one send
     buffer exists at a time."""
 
-    def __init__(self, layer: _Layer, stage: Stage, rope: Tensor, overlap: bool) -> None:
+    def __init__(self, layer: HeadStages, stage: Stage, rope: Tensor | None, overlap: bool) -> None:
         self.overlap = overlap
         self.kv = None
         if stage.opens_kv_block:
@@ -118,24 +163,28 @@ class _ForwardInputs:
         return self.query.result(), kv
 
 
+OutputGrad = Callable[[Stage], Tensor]
+"""A stage's slice (B, L, U, d) of the gradient of the attention output, in the sequence
+layout."""
+
+
 class _BackwardInputs(_ForwardInputs):
     """A stage's exchanges into the head layout for backward: the forward's, and its slices of
-    the output and of the output's gradient."""
+    the output and of the output's gradient (``output_grad``)."""
 
     def __init__(
         self,
-        layer: _Layer,
+        layer: HeadStages,
         stage: Stage,
-        rope: Tensor,
+        rope: Tensor | None,
         out: Tensor,
-        grad_y: Tensor,
-        wo: Tensor,
+        output_grad: OutputGrad,
         overlap: bool,
     ) -> None:
         super().__init__(layer, stage, rope, overlap)
         read = functools.partial(layer.read_stage, out, stage)
         self.out = self._started(layer.start_to_heads(read))
-        self.grad_out = self._started(layer.start_output_grad(grad_y, wo, stage))
+        self.grad_out = self._started(layer.start_to_heads(functools.partial(output_grad, stage)))
 
     def result(self) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
         query, kv = super().result()
@@ -150,29 +199,22 @@ def _next(
     return stages[order[position + 1]] if overlap and position + 1 < len(order) else None
 
 
-def staged_forward(
-    x: Tensor,
-    weights: AttentionWeights,
-    rope: Tensor,
-    doc_ids: Tensor | None,
-    params: AttentionParams,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The stage loop; returns (y = out @ wo.T (B, S/C, D), the saved output (B, S/C, H*d),
-    lse (stages, B, U/C_h, S/R) float32). The saved output is the attention output in the
-    layout backward reads it in (``saved_output``)."""
-    layer = _Layer(x, weights, params, doc_ids)
+def forward_stages(
+    layer: HeadStages, rope: Tensor | None, doc_ids: Tensor | None, overlap: bool
+) -> tuple[Tensor, Tensor]:
+    """The forward stage loop (the module docstring): (out (B, L, H, d), the attention output of
+    every stage in the sequence layout and the model's head order; lse (stages, B, U/C_h, S_h)
+    float32, each stage's in the head layout)."""
     stages = layer.schedule.stages
-    if len(stages) == 1:
-        return _one_stage_forward(layer, weights, rope, doc_ids)
-    out = x.new_empty(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
-    lse = x.new_empty(
+    like = layer.like
+    out = like.new_empty(layer.batch, layer.local_len, layer.schedule.n_heads, layer.head_dim)
+    lse = like.new_empty(
         len(stages),
         layer.batch,
         layer.schedule.query_heads_per_rank,
-        layer.local_len * params.head_degree,
-        dtype=torch.float32,
+        layer.local_len * layer.head_degree,
+        dtype=accumulation_dtype(like.dtype),
     )
-    overlap = params.overlap_stages
     k_h = v_h = None
     started: _ForwardInputs | None = None
     returning: tuple[Stage, Exchange] | None = None  # the previous stage's output, on its way
@@ -199,6 +241,94 @@ def staged_forward(
             returning = None
     if returning is not None:
         layer.write_stage(out, returning[0], returning[1].result())
+    return out, lse
+
+
+def backward_stages(
+    layer: HeadStages,
+    grads: _Gradients | _InputGradients,
+    rope: Tensor | None,
+    doc_ids: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    output_grad: OutputGrad,
+    overlap: bool,
+) -> None:
+    """The backward stage loop (the module docstring), from ``out`` (B, L, H, d) and ``lse`` as
+    ``forward_stages`` made them: each stage's dQ and each KV block's dK, dV go to ``grads``
+    (where they go is theirs). The sums are in stage order whether or not the stages
+    overlap."""
+    stages = layer.schedule.stages
+    per_block = layer.schedule.stages_per_kv_block
+    k_h = v_h = None
+    started: _BackwardInputs | None = None
+    returning: tuple[Stage, Exchange] | None = None  # the previous stage's dQ, on its way
+
+    def finish_query() -> None:
+        nonlocal returning
+        if returning is not None:
+            grads.query(returning[1], returning[0], rope)
+            returning = None
+
+    order = layer.stage_order()
+    for position, index in enumerate(order):
+        stage = stages[index]
+        inputs = started or _BackwardInputs(layer, stage, rope, out, output_grad, overlap)
+        q_h, o_h, grad_o_h, kv = inputs.result()
+        if kv is not None:
+            k_h, v_h = kv
+        following = _next(stages, order, position, overlap)
+        started = (
+            None
+            if following is None
+            else _BackwardInputs(layer, following, rope, out, output_grad, overlap)
+        )
+        grad_q_h, grad_k_stage, grad_v_stage = ring_attention_backward(
+            grad_o_h,
+            q_h,
+            k_h,
+            v_h,
+            o_h,
+            lse[index],
+            layer.scale,
+            layer.backend,
+            layer.ring,
+            doc_ids,
+        )
+        del q_h, o_h, grad_o_h
+        grads.add_kv(grad_k_stage, grad_v_stage, per_block)
+        del grad_k_stage, grad_v_stage
+
+        sent = layer.start_to_sequence(grad_q_h) if grads.queries else None
+        del grad_q_h
+        if sent is not None:
+            finish_query()
+            returning = (stage, sent)
+            if not overlap or stage.closes_kv_block:
+                finish_query()
+
+        if stage.closes_kv_block:
+            k_h = v_h = None
+            grads.close_block(stage.kv_block, rope)
+
+
+# --- the fused op: projections, the stage loop, wo --------------------------------------------
+
+
+def staged_forward(
+    x: Tensor,
+    weights: AttentionWeights,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    params: AttentionParams,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused op's forward; returns (y = out @ wo.T (B, S/C, D), the saved output (B, S/C,
+    H*d), lse (stages, B, U/C_h, S/R) float32). The saved output is the attention output in the
+    layout backward reads it in (``saved_output``)."""
+    layer = _Layer(x, weights, params, doc_ids)
+    if len(layer.schedule.stages) == 1:
+        return _one_stage_forward(layer, weights, rope, doc_ids)
+    out, lse = forward_stages(layer, rope, doc_ids, params.overlap_stages)
     out = out.view(layer.batch, layer.local_len, -1)
     return out @ weights.wo.t(), out, lse
 
@@ -414,8 +544,8 @@ def staged_backward(
     lse: Tensor,
     params: AttentionParams,
 ) -> tuple[Tensor | None, AttentionWeights]:
-    """Stage-by-stage backward from x, the output and the LSEs; returns (dx, the weights'
-    gradients), None for those autograd does not ask for.
+    """The fused op's backward, stage by stage from x, the output and the LSEs; returns (dx, the
+    weights' gradients), None for those autograd does not ask for.
 
     Each stage's dQ, back in the sequence layout, waits in its heads of a (B, S/C, H, d) buffer:
     the saved output itself when it is scratch (``AttentionParams.output_is_scratch``; a stage's
@@ -424,14 +554,10 @@ def staged_backward(
     dx and dwq at once (``_Gradients``). A KV block's dK, dV are summed over its stages in
     float32 (``merge.add_piece``; a block of one stage keeps the kernel's own), then go into
     dx, dwk and dwv when the block closes, or wait for the end (GQA, queries waiting: then no
-    dx is held while the stages run). The sums are in stage order whether or not the stages
-    overlap."""
+    dx is held while the stages run)."""
     layer = _Layer(x, weights, params, doc_ids)
-    wo = weights.wo
-    stages = layer.schedule.stages
-    if len(stages) == 1:
+    if len(layer.schedule.stages) == 1:
         return _one_stage_backward(layer, grad_y, x, weights, rope, doc_ids, out, lse, params)
-    per_block = layer.schedule.stages_per_kv_block
     sequence = out
     out = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
     grads = _Gradients(
@@ -444,57 +570,8 @@ def staged_backward(
         # the waiting dQ overwrites the output: dwo reads it first
         output_now=params.output_is_scratch and layer.query_grads_wait(x, params),
     )
-    overlap = params.overlap_stages
-    k_h = v_h = None
-    started: _BackwardInputs | None = None
-    returning: tuple[Stage, Exchange] | None = None  # the previous stage's dQ, on its way
-
-    def finish_query() -> None:
-        nonlocal returning
-        if returning is not None:
-            grads.query(returning[1], returning[0], rope)
-            returning = None
-
-    order = layer.stage_order()
-    for position, index in enumerate(order):
-        stage = stages[index]
-        inputs = started or _BackwardInputs(layer, stage, rope, out, grad_y, wo, overlap)
-        q_h, o_h, grad_o_h, kv = inputs.result()
-        if kv is not None:
-            k_h, v_h = kv
-        following = _next(stages, order, position, overlap)
-        started = (
-            None
-            if following is None
-            else _BackwardInputs(layer, following, rope, out, grad_y, wo, overlap)
-        )
-        grad_q_h, grad_k_stage, grad_v_stage = ring_attention_backward(
-            grad_o_h,
-            q_h,
-            k_h,
-            v_h,
-            o_h,
-            lse[index],
-            layer.scale,
-            layer.backend,
-            layer.ring,
-            doc_ids,
-        )
-        del q_h, o_h, grad_o_h
-        grads.add_kv(grad_k_stage, grad_v_stage, per_block)
-        del grad_k_stage, grad_v_stage
-
-        sent = layer.start_to_sequence(grad_q_h) if grads.queries else None
-        del grad_q_h
-        if sent is not None:
-            finish_query()
-            returning = (stage, sent)
-            if not overlap or stage.closes_kv_block:
-                finish_query()
-
-        if stage.closes_kv_block:
-            k_h = v_h = None
-            grads.close_block(stage.kv_block, rope)
+    output_grad = functools.partial(layer.output_grad_slice, grad_y, weights.wo)
+    backward_stages(layer, grads, rope, doc_ids, out, lse, output_grad, params.overlap_stages)
     return grads.finish(weights)
 
 
@@ -517,3 +594,83 @@ def staged_attention(
     runs as ring attention (2D UPipe; with C_h = 1 and U = H, plain ring attention).
     """
     return _OP(x, weights, rope, doc_ids, params)
+
+
+# --- the op-level entry: the stage loop on given q, k, v --------------------------------------
+
+
+class _InputGradients:
+    """Where ``backward_stages`` puts the gradients of given q, k, v: each stage's dQ into its
+    heads of dq, each KV block's dK, dV (summed over its stages in float32, then cast) into its
+    heads of dk and dv, all in the sequence layout of the inputs."""
+
+    queries = keys = True
+
+    def __init__(self, layer: _GivenLayer) -> None:
+        self.layer = layer
+        self.grad_q = torch.empty_like(layer.q)
+        self.grad_k, self.grad_v = torch.empty_like(layer.k), torch.empty_like(layer.v)
+        self.kv_sums: list[Tensor | None] = [None, None]
+
+    def query(self, grad_q: Exchange, stage: Stage, rope: None) -> None:
+        self.layer.write_stage(self.grad_q, stage, grad_q.result())
+
+    def add_kv(self, grad_k: Tensor, grad_v: Tensor, pieces: int) -> None:
+        self.kv_sums = [add_piece(t, g, pieces) for t, g in zip(self.kv_sums, (grad_k, grad_v))]
+
+    def close_block(self, block: int, rope: None) -> None:
+        heads = self.layer.block_heads(block)
+        for index, target in enumerate((self.grad_k, self.grad_v)):
+            grad_h, self.kv_sums[index] = self.kv_sums[index], None
+            target[:, :, heads] = self.layer.kv_grad(grad_h, target.dtype)
+            del grad_h
+
+
+def _lse_in_sequence(layer: _GivenLayer, lse: Tensor) -> Tensor:
+    """(B, H, L) float32: every stage's LSE (B, U/C_h, S_h), head layout, back in the inputs'
+    sequence layout and the model's head order."""
+    whole = lse.new_empty(layer.batch, layer.local_len, layer.schedule.n_heads, 1)
+    for index, stage in enumerate(layer.schedule.stages):
+        heads = lse[index].transpose(1, 2).unsqueeze(-1).contiguous()  # (B, S_h, U/C_h, 1)
+        layer.write_stage(whole, stage, layer.to_sequence(heads))
+    return whole.squeeze(-1).transpose(1, 2).contiguous()
+
+
+def qkv_forward(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, params: AttentionParams
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The op-level entry's forward: (out (B, L, H, d), lse (B, H, L), lse of each stage)."""
+    layer = _GivenLayer(q, k, v, params, doc_ids)
+    out, lse = forward_stages(layer, None, doc_ids, params.overlap_stages)
+    return out, _lse_in_sequence(layer, lse), lse
+
+
+def qkv_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    params: AttentionParams,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The op-level entry's backward: (dq, dk, dv)."""
+    layer = _GivenLayer(q, k, v, params, doc_ids)
+    grads = _InputGradients(layer)
+    output_grad = functools.partial(layer.read_stage, grad_out)
+    backward_stages(layer, grads, None, doc_ids, out, lse, output_grad, params.overlap_stages)
+    return grads.grad_q, grads.grad_k, grads.grad_v
+
+
+_QKV_OP = QKVAttentionOp("qkv_attention", qkv_forward, qkv_backward)
+
+
+def qkv_attention(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, params: AttentionParams
+) -> tuple[Tensor, Tensor]:
+    """Differentiable staged attention of given q (B, S/C, H, d), k, v (B, S/C, H_kv, d), this
+    rank's shard in the style's sequence layout, already rotated: (out (B, S/C, H, d), lse
+    (B, H, S/C) float32, no gradient). The stage loop of the fused op without its projections
+    (``ContextParallelAttention.attention`` is the public entry)."""
+    return _QKV_OP(q, k, v, doc_ids, params)

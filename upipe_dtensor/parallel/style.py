@@ -40,7 +40,7 @@ from upipe_dtensor.parallel.layouts import (
     contiguous_positions,
     two_d_positions,
 )
-from upipe_dtensor.parallel.staged_attention import staged_attention
+from upipe_dtensor.parallel.staged_attention import qkv_attention, staged_attention
 from upipe_dtensor.parallel.style_options import (
     FPDTOptions,
     Geometry,
@@ -211,25 +211,88 @@ class ContextParallelAttention(ParallelStyle):
         _require_mesh_dims(self, mesh, (1,))
         return _Axes(_group_name(mesh, 0), mesh.size(), "", 1, mesh.get_local_rank())
 
-    def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
-        """The attention op's plain values for this module on these axes."""
-        kind = attention_kind(module)
-        transform, eps = qk_transform_of(module, kind)
+    def _stage_params(
+        self, n_heads: int, head_dim: int, axes: _Axes, seq_len: int
+    ) -> AttentionParams:
+        """The attention op's plain values of this style's stages on these axes, for attention
+        of ``n_heads`` heads of ``head_dim`` over ``seq_len`` tokens."""
         return AttentionParams(
             head_group=axes.head_group,
             head_degree=axes.head_degree,
             ring_group=axes.ring_group,
             ring_degree=axes.ring_degree,
-            head_dim=module.head_dim,
-            heads_per_stage=self.options.stage_heads(module.n_heads, axes.head_degree),
-            scale=module.head_dim**-0.5,
+            head_dim=head_dim,
+            heads_per_stage=self.options.stage_heads(n_heads, axes.head_degree),
+            scale=head_dim**-0.5,
+            backend=self.backend,
+            kernel_device=self.kernel_device or "",
+        )
+
+    def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
+        """The fused attention op's plain values for this module on these axes."""
+        kind = attention_kind(module)
+        transform, eps = qk_transform_of(module, kind)
+        return dataclasses.replace(
+            self._stage_params(module.n_heads, module.head_dim, axes, seq_len),
             rope_pairs=kind.rope_pairs,
             qk_transform=transform,
             qk_eps=eps,
-            backend=self.backend,
-            kernel_device=self.kernel_device or "",
             keep="" if self.kept is None or not torch.is_grad_enabled() else self.kept.name,
         )
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mesh: DeviceMesh,
+        *,
+        document_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """This style's attention over ``mesh`` on given queries, keys and values: the op-level
+        entry, for other people's models, tests and benchmarks (no projections, no ``wo``).
+
+        ``q`` (B, S/C, H, d), ``k`` and ``v`` (B, S/C, H_kv, d) are this rank's shard of the
+        sequence in the style's layout (``shard_positions``: contiguous for UPipe and Ulysses),
+        already rotated at their global positions; the attention is causal, or within each
+        document when ``document_ids`` (B, S, the whole sequence's) are given; query head h uses
+        KV head h // (H / H_kv). Returns (out (B, S/C, H, d), lse (B, H, S/C) float32) in the
+        same layout, out differentiable in q, k and v (lse carries no gradient). The style's
+        own arguments apply as in a model (``heads_per_stage``, ``overlap_stages``, ``backend``,
+        the ring axis of a 2-D mesh); equal to torch's SDPA on the whole sequence up to
+        rounding."""
+        axes = self._axes(mesh)
+        batch, local_len, n_heads, head_dim = q.shape
+        if k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim or v.shape != k.shape:
+            raise ValueError(
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: give (B, S/C, H, d) "
+                "queries and (B, S/C, H_kv, d) keys and values of one shard"
+            )
+        self.options.check(
+            Geometry(
+                n_heads=n_heads,
+                n_kv_heads=k.shape[2],
+                cp_degree=axes.cp_degree,
+                ring_degree=mesh.size(0) if mesh.ndim == 2 else 1,  # 2D's ring axis
+            )
+        )
+        seq_len = local_len * axes.cp_degree
+        if document_ids is not None:
+            _check_document_ids(document_ids, batch, seq_len)
+        return self._attention_of(q, k, v, document_ids, axes, seq_len)
+
+    def _attention_of(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        doc_ids: Tensor | None,
+        axes: _Axes,
+        seq_len: int,
+    ) -> tuple[Tensor, Tensor]:
+        """``attention`` once its arguments are checked: the staged op on given q, k, v."""
+        params = self._stage_params(q.shape[2], q.shape[3], axes, seq_len)
+        return qkv_attention(q, k, v, doc_ids, params)
 
     def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
         """The layer's output (after ``wo``) for this rank's shard ``x``."""
@@ -442,8 +505,10 @@ class UPipeAttention(ContextParallelAttention):
             )
         return axes
 
-    def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
-        params = super()._params(module, axes, seq_len)
+    def _stage_params(
+        self, n_heads: int, head_dim: int, axes: _Axes, seq_len: int
+    ) -> AttentionParams:
+        params = super()._stage_params(n_heads, head_dim, axes, seq_len)
         if self.chunk_tokens is None:
             return dataclasses.replace(params, overlap_stages=self.options.overlaps_stages)
         chunks = chunk_count(seq_len, axes.cp_degree, self.chunk_tokens)

@@ -41,7 +41,7 @@ from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.attention_op import computations_run_by
-from upipe_dtensor.parallel.projections import forget_head_indices
+from upipe_dtensor.parallel.head_stages import forget_head_indices
 from upipe_dtensor.planning import compiled as planned_compile
 from upipe_dtensor.planning.depth import DepthReduction, ElidedBlocks, reduce_depth
 from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
