@@ -2,9 +2,10 @@
 torch's own SDPA on the whole sequence, and a layer with frozen weights against the same layer
 trainable.
 
-Every staged style (UPipe at U = C and 2C, stages in turn and overlapped, Ulysses, ring attention,
-2D UPipe on a (cp_ring, cp_heads) mesh) on 4 gloo ranks, float64, in three geometries: GQA with
-2 KV heads per rank, fewer KV heads than ranks (replicated), MHA; plus documents. The output,
+Every style (UPipe at U = C and 2C, stages in turn and overlapped, Ulysses, ring attention, 2D UPipe
+on a (cp_ring, cp_heads) mesh, FPDT in 4 chunks, UPipe x FPDT in 2) on 4 gloo ranks, float64, in
+three geometries: GQA with 2 KV heads per rank, fewer KV heads than ranks (replicated), MHA;
+plus documents. The output,
 the LSE (against ``torch.logsumexp`` of the masked scores) and dq, dk, dv (summed over the
 ranks) equal the reference's to float64 rounding.
 """
@@ -19,7 +20,7 @@ from harness import run_on_ranks, tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from upipe_dtensor import RingAttention, UlyssesAttention, UPipeAttention
+from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
 from upipe_dtensor.data.documents import document_ids
 
 pytestmark = pytest.mark.distributed
@@ -52,6 +53,8 @@ def _entry_matches_sdpa(rank: int, world: int) -> None:
         (UlyssesAttention(ring_degree=1), one_d),
         (RingAttention(), one_d),
         (UPipeAttention(ring_degree=2), two_d),
+        (FPDTAttention(chunk_tokens=SEQ // 4), one_d),
+        (UPipeAttention(chunk_tokens=SEQ // 2), one_d),
     ]
     for n_heads, n_kv_heads, documents in ((16, 8, False), (8, 2, False), (8, 8, True)):
         torch.manual_seed(n_heads + n_kv_heads)
@@ -82,7 +85,7 @@ def _entry_matches_sdpa(rank: int, world: int) -> None:
                 torch.testing.assert_close(summed, whole.grad, msg=what)
 
 
-def test_entry_equals_sdpa_for_every_staged_style() -> None:
+def test_entry_equals_sdpa_for_every_style() -> None:
     run_on_ranks(C, _entry_matches_sdpa)
 
 

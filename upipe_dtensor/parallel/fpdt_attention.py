@@ -47,6 +47,7 @@ Memory bound (per rank, N = B*S/C local tokens, c = N/u tokens per chunk, per-ra
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -55,7 +56,15 @@ from upipe_dtensor.kernels.attention import attention_backward, attention_forwar
 from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import PartialAttention, accumulation_dtype, accumulator
 from upipe_dtensor.kernels.tiling import in_order, visited
-from upipe_dtensor.parallel.attention_op import AttentionOp, AttentionParams, AttentionWeights
+from upipe_dtensor.parallel.all_to_all import Exchange
+from upipe_dtensor.parallel.attention_op import (
+    AttentionOp,
+    AttentionParams,
+    AttentionWeights,
+    QKVAttentionOp,
+)
+from upipe_dtensor.parallel.head_schedule import Stage
+from upipe_dtensor.parallel.head_stages import GivenQKV, HeadStages
 from upipe_dtensor.parallel.layouts import split_lengths
 from upipe_dtensor.parallel.projections import AttentionProjections
 from upipe_dtensor.parallel.qk_transform import QKTransform
@@ -63,34 +72,49 @@ from upipe_dtensor.runtime.host_store import HostStore, Parked, named_host_store
 
 
 class _Chunks:
-    """The per-call constants: one ``AttentionProjections`` per chunk, and where each chunk sits
-    in the local shard and in the global sequence."""
+    """The per-call constants: one ``HeadStages`` span per chunk (``make_span(rows)``: projected
+    from the chunk's rows of x, or reading given q, k, v), where each chunk sits in the local
+    shard and in the global sequence, and the local kernel."""
 
-    def __init__(self, x: Tensor, weights: AttentionWeights, params: AttentionParams) -> None:
-        self.qk = QKTransform(weights, params)
+    def __init__(
+        self,
+        like: Tensor,
+        params: AttentionParams,
+        doc_ids: Tensor | None,
+        make_span: Callable[[slice], HeadStages],
+    ) -> None:
+        self.like = like
         self.local = []  # [start, end) of each chunk in the local shard
         self.gathered = []  # [start, end) of each chunk in the global sequence (after all-to-all)
         start = 0
-        for length in split_lengths(x.shape[1], params.chunks):
+        for length in split_lengths(like.shape[1], params.chunks):
             self.local.append(slice(start, start + length))
             self.gathered.append(
                 slice(start * params.head_degree, (start + length) * params.head_degree)
             )
             start += length
-        self.spans = [
-            AttentionProjections(x[:, rows], weights, params, self.qk) for rows in self.local
-        ]
+        self.spans = [make_span(rows) for rows in self.local]
         self.schedule = self.spans[0].schedule
         count = len(self.spans)
         equal = len({rows.stop - rows.start for rows in self.local}) == 1
-        self.visits = visited(x, range(count)) if equal else range(count)
+        self.visits = visited(like, range(count)) if equal else range(count)
         """The chunks a loop over all of them runs (``kernels.tiling.visited``; planning alike
         chunks only): the second stands for every middle one, the others park stand-ins."""
         self.shortened = len(self.visits) < count
+        self.backend = op_kernel(
+            params.backend, params.kernel_device, like, documents=doc_ids is not None
+        )
+        self.scale = params.scale
+        self.parking = _Parking(
+            named_host_store(params.store_name, like.device) if params.chunks > 1 else None
+        )
 
 
-def _rows(table: Tensor, rows: slice) -> Tensor:
-    """Token rows of a RoPE table, (S, d/2, 2) or (B, S, d/2, 2)."""
+def _rows(table: Tensor | None, rows: slice) -> Tensor | None:
+    """Token rows of a RoPE table, (S, d/2, 2) or (B, S, d/2, 2) (None: the op-level entry's
+    inputs are rotated already)."""
+    if table is None:
+        return None
     return table[rows] if table.dim() == 3 else table[:, rows]
 
 
@@ -139,34 +163,26 @@ class _Parking:
         self.slots.clear()
 
 
-def fpdt_forward(
-    x: Tensor,
-    weights: AttentionWeights,
-    rope: Tensor,
-    doc_ids: Tensor | None,
-    params: AttentionParams,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The chunk loop; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
-    lse (stages, B, U/C, S) float32)."""
-    layer = _Chunks(x, weights, params)
-    schedule, backend, scale = (
-        layer.schedule,
-        op_kernel(params.backend, params.kernel_device, x, documents=doc_ids is not None),
-        params.scale,
-    )
-    parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
-    out = x.new_empty(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
-    lse = x.new_empty(
+def forward_chunks(
+    layer: _Chunks, rope: Tensor | None, doc_ids: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The forward chunk loop (the module docstring): (out (B, L, H, d) in the sequence layout
+    and the model's head order; lse (stages, B, U/C, S) float32, each stage's in the head
+    layout)."""
+    schedule, backend, scale, parking = layer.schedule, layer.backend, layer.scale, layer.parking
+    like, first = layer.like, layer.spans[0]
+    out = like.new_empty(like.shape[0], like.shape[1], schedule.n_heads, first.head_dim)
+    lse = like.new_empty(
         len(schedule.stages),
-        x.shape[0],
+        like.shape[0],
         schedule.query_heads_per_rank,
-        x.shape[1] * params.head_degree,
-        dtype=accumulation_dtype(x.dtype),
+        like.shape[1] * first.head_degree,
+        dtype=accumulation_dtype(like.dtype),
     )
     # Planning: a visited middle chunk (i = 1) stands for every middle one, whose loops over the
     # earlier chunks grow with i, so its loop stands for their average.
     middle_earlier = (len(layer.spans) - 1) / 2
-    for index in layer.spans[0].stage_order():
+    for index in first.stage_order():
         stage = schedule.stages[index]
         for i, runs in in_order(layer.visits, range(len(layer.spans))):
             if not runs:  # planning: a skipped chunk leaves its K/V in host memory, no work
@@ -198,9 +214,7 @@ def fpdt_forward(
                     parking.get(("k", j), release=False),
                     parking.get(("v", j), release=False),
                 )
-                if step + 1 < len(
-                    earlier
-                ):  # the next earlier chunk travels while this one computes
+                if step + 1 < len(earlier):  # the next earlier chunk travels while this one runs
                     parking.prefetch(("k", earlier[step + 1]), ("v", earlier[step + 1]))
                 partial.add(
                     *attention_forward(
@@ -215,66 +229,30 @@ def fpdt_forward(
                     )
                 )
                 del k_j, v_j
-            o_i, lse[index, :, :, layer.gathered[i]] = partial.result(x.dtype)
+            o_i, lse[index, :, :, layer.gathered[i]] = partial.result(like.dtype)
             del q_i, partial
             span.write_stage(out[:, layer.local[i]], stage, span.to_sequence(o_i))
             del o_i
         if stage.closes_kv_block:
             parking.clear()
-    out = out.view(x.shape[0], x.shape[1], -1)
-    return out @ weights.wo.t(), out, lse
+    return out, lse
 
 
-def fpdt_backward(
-    grad_y: Tensor,
-    x: Tensor,
-    weights: AttentionWeights,
-    rope: Tensor,
+def backward_chunks(
+    layer: _Chunks,
+    grads: _Gradients | _InputGradients,
+    rope: Tensor | None,
     doc_ids: Tensor | None,
     out: Tensor,
     lse: Tensor,
-    params: AttentionParams,
-) -> tuple[Tensor, AttentionWeights]:
-    """The paper's backward order per stage; returns (dx, the weights' gradients). Sums across
-    chunks (dwk, dwv, dQ, dK, dV) and a KV block's stages (dK, dV) are float32. Each final dQ_i
-    waits in its rows and stage heads of one (B, S/C, H, d) buffer (or, when that buffer would
-    be new and dx and dwq hold less, goes into them at once:
-    ``AttentionProjections.query_grads_wait``), and
-    dx += dQ @ wq and dwq = dQ.T @ x are one product each at the end, as in
-    ``staged_backward``; dx is created when the first KV block closes."""
-    layer = _Chunks(x, weights, params)
-    wq, wk, wv, wo = weights.wq, weights.wk, weights.wv, weights.wo
-    schedule, backend, scale = (
-        layer.schedule,
-        op_kernel(params.backend, params.kernel_device, x, documents=doc_ids is not None),
-        params.scale,
-    )
-    parking = _Parking(named_host_store(params.store_name, x.device) if params.chunks > 1 else None)
-    needs = params.needs
-    grad_wo = (
-        grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
-        if needs("wo")
-        else None
-    )
-    out = out.view(x.shape[0], x.shape[1], schedule.n_heads, params.head_dim)
-    # Every chunk's final dQ waits in its rows and stage heads of one buffer (the output, when it
-    # is scratch: a stage's slices of it are parked before any dQ of the stage is final), or goes
-    # into dx and dwq at once (``AttentionProjections.query_grads_wait``).
-    first = layer.spans[0]  # every span has the same schedule
-    queries = needs("x") or needs("wq") or needs("q_norm")  # final dQ goes somewhere
-    wait = queries and first.query_grads_wait(x, params, params.chunks)
-    grads_q = (out if params.output_is_scratch else torch.empty_like(out)) if wait else None
-    # Waiting, dx is created when the first KV block closes and dwq after the last stage.
-    grad_x = first.new_input_grad(x, wait) if needs("x") and not wait else None
-    grad_wq = first.new_query_weight_grad(params.chunks) if needs("wq") and not wait else None
-    grad_wk, grad_wv = (
-        accumulator(w, summed=params.chunks > 1).view(-1, params.head_dim, x.shape[-1])
-        if needs(name)
-        else None
-        for w, name in ((wk, "wk"), (wv, "wv"))
-    )
+) -> None:
+    """The paper's backward order per stage (the module docstring), from ``out`` (B, L, H, d)
+    and ``lse`` as ``forward_chunks`` made them: each final dQ_i and each K/V chunk's final dK,
+    dV of a block go to ``grads`` (where they go is theirs). Sums across chunks and a KV block's
+    stages (dQ, dK, dV) are float32."""
+    schedule, backend, scale, parking = layer.schedule, layer.backend, layer.scale, layer.parking
+    like = layer.like
     count = len(layer.spans)
-
     # What the planner counts: a visited middle K/V chunk (j = 1) stands for every middle one,
     # whose query loops shrink with j, so its query loop stands for their average.
     middle_queries = sum(count - j for j in range(1, count - 1)) / max(count - 2, 1)
@@ -296,7 +274,7 @@ def fpdt_backward(
             parking.put(("q", i), span.query_for_stage(stage, rope_i))
             read = functools.partial(span.read_stage, out[:, layer.local[i]], stage)
             parking.put(("o", i), span.to_heads(read))
-            parking.put(("do", i), span.output_grad(grad_y[:, layer.local[i]], wo, stage))
+            parking.put(("do", i), grads.output_grad(i, stage))
 
         # Planning (fake tensors) runs a few of the identical chunks and chunk pairs
         # (``kernels.tiling``); a skipped K/V chunk j gives up the host copies its step would
@@ -312,7 +290,6 @@ def fpdt_backward(
                     parking.stand_in(("dk", j), like=("dk", 1))
                     parking.stand_in(("dv", j), like=("dv", 1))
                 continue
-            span_j = layer.spans[j]
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
             if stage.opens_kv_block:
                 grad_k_j, grad_v_j = accumulator(k_j), accumulator(v_j)
@@ -322,9 +299,9 @@ def fpdt_backward(
             # The first pass over the query chunks parks every partial dQ (stand-ins for the
             # skipped ones, so host memory is counted whole).
             stands_for = middle_queries if layer.shortened and j == 1 else None
-            queries = layer.visits if j == 0 else visited(x, range(j, count), stands_for)
-            run = [i for i in range(j, count) if i in queries]  # the query chunks computed
-            for i, runs_i in in_order(queries, range(j, count)):  # inner: those that see chunk j
+            chunks = layer.visits if j == 0 else visited(like, range(j, count), stands_for)
+            run = [i for i in range(j, count) if i in chunks]  # the query chunks computed
+            for i, runs_i in in_order(chunks, range(j, count)):  # inner: those that see chunk j
                 if not runs_i:  # a later pass takes and parks a partial dQ again: nothing left
                     if j == 0:
                         parking.stand_in(("dq", i), like=("dq", 1))
@@ -357,45 +334,164 @@ def fpdt_backward(
                 grad_k_j += dk
                 grad_v_j += dv
                 del dq, dk, dv
-                if i == j and queries:  # every key chunk of query chunk i is done: final
-                    span_j.store_query_grad(
-                        span_j.start_to_sequence(grad_q_i.to(x.dtype)),
-                        stage,
-                        _rows(rope, layer.local[i]),
-                        None if grads_q is None else grads_q[:, layer.local[i]],
-                        None if grad_x is None else grad_x[:, layer.local[i]],
-                        grad_wq,
-                    )
-                elif i != j:
+                if i != j:
                     parking.put(("dq", i), grad_q_i)
+                elif grads.queries:  # every key chunk of query chunk i is done: dQ_i is final
+                    sent = layer.spans[j].start_to_sequence(grad_q_i.to(like.dtype))
+                    grads.query(i, sent, stage, _rows(rope, layer.local[i]))
                 del grad_q_i
             del k_j, v_j
             if stage.closes_kv_block:
-                if grad_x is None and needs("x"):
-                    grad_x = span_j.new_input_grad(x, wait)
-                span_j.kv_backward(
-                    grad_k_j,
-                    grad_v_j,
-                    stage.kv_block,
-                    _rows(rope, layer.local[j]),
-                    None if grad_x is None else grad_x[:, layer.local[j]],
-                    grad_wk,
-                    grad_wv,
-                )
+                grads.kv(j, grad_k_j, grad_v_j, stage.kv_block, _rows(rope, layer.local[j]))
             else:  # later stages of this KV block add to the same dK/dV
                 parking.put(("dk", j), grad_k_j)
                 parking.put(("dv", j), grad_v_j)
             del grad_k_j, grad_v_j
         if stage.closes_kv_block:
             parking.clear()
-    if wait:
-        whole = AttentionProjections(x, weights, params, layer.qk)
-        grad_wq = whole.queries_backward(grads_q, grad_x, needs("wq"))
-    grad_x, grad_wq, grad_wk, grad_wv = (
-        None if g is None else g.view_as(t).to(t.dtype)
-        for g, t in zip((grad_x, grad_wq, grad_wk, grad_wv), (x, wq, wk, wv))
+
+
+# --- the fused op: projections, the chunk loop, wo --------------------------------------------
+
+
+def _fused_chunks(
+    x: Tensor, weights: AttentionWeights, params: AttentionParams, doc_ids: Tensor | None
+) -> _Chunks:
+    qk = QKTransform(weights, params)
+    layer = _Chunks(
+        x, params, doc_ids, lambda rows: AttentionProjections(x[:, rows], weights, params, qk)
     )
-    return grad_x, AttentionWeights(grad_wq, grad_wk, grad_wv, grad_wo, *layer.qk.weight_grads())
+    layer.qk = qk
+    return layer
+
+
+def fpdt_forward(
+    x: Tensor,
+    weights: AttentionWeights,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    params: AttentionParams,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused op's forward; returns (y = out @ wo.T (B, S/C, D), out (B, S/C, H*d),
+    lse (stages, B, U/C, S) float32)."""
+    layer = _fused_chunks(x, weights, params, doc_ids)
+    out, lse = forward_chunks(layer, rope, doc_ids)
+    out = out.view(x.shape[0], x.shape[1], -1)
+    return out @ weights.wo.t(), out, lse
+
+
+class _Gradients:
+    """Where the fused op's backward puts each final dQ_i and each K/V chunk's dK, dV: into dx
+    and the weights' gradients. Each final dQ_i waits in its rows and stage heads of one
+    (B, S/C, H, d) buffer (the saved output, when it is scratch: a stage's slices of it are
+    parked before any dQ of the stage is final), or, when that buffer would be new and dx and
+    dwq hold less, goes into them at once (``AttentionProjections.query_grads_wait``); then dx
+    += dQ @ wq and dwq = dQ.T @ x are one product each at the end, as in ``staged_backward``;
+    dx is created when the first KV block closes. dwk, dwv are float32 sums over the chunks."""
+
+    def __init__(
+        self,
+        layer: _Chunks,
+        x: Tensor,
+        weights: AttentionWeights,
+        out: Tensor,
+        grad_y: Tensor,
+        params: AttentionParams,
+    ) -> None:
+        self.layer, self.x, self.weights, self.grad_y, self.params = (
+            layer,
+            x,
+            weights,
+            grad_y,
+            params,
+        )
+        needs = self.needs = params.needs
+        self.grad_wo = (
+            grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
+            if needs("wo")
+            else None
+        )
+        out = out.view(x.shape[0], x.shape[1], layer.schedule.n_heads, params.head_dim)
+        first = layer.spans[0]  # every span has the same schedule
+        self.queries = needs("x") or needs("wq") or needs("q_norm")  # final dQ goes somewhere
+        self.wait = self.queries and first.query_grads_wait(x, params, params.chunks)
+        self.waiting = (
+            (out if params.output_is_scratch else torch.empty_like(out)) if self.wait else None
+        )
+        # Waiting, dx is created when the first KV block closes and dwq after the last stage.
+        self.grad_x = first.new_input_grad(x, self.wait) if needs("x") and not self.wait else None
+        self.grad_wq = (
+            first.new_query_weight_grad(params.chunks) if needs("wq") and not self.wait else None
+        )
+        self.grad_wk, self.grad_wv = (
+            accumulator(w, summed=params.chunks > 1).view(-1, params.head_dim, x.shape[-1])
+            if needs(name)
+            else None
+            for w, name in ((weights.wk, "wk"), (weights.wv, "wv"))
+        )
+        self.out = out
+
+    def output_grad(self, i: int, stage: Stage) -> Tensor:
+        """Chunk i's slice of the gradient before ``wo``, in the head layout."""
+        rows = self.layer.local[i]
+        return self.layer.spans[i].output_grad(self.grad_y[:, rows], self.weights.wo, stage)
+
+    def _rows(self, tensor: Tensor | None, i: int) -> Tensor | None:
+        return None if tensor is None else tensor[:, self.layer.local[i]]
+
+    def query(self, i: int, grad_q: Exchange, stage: Stage, rope: Tensor) -> None:
+        span = self.layer.spans[i]
+        span.store_query_grad(
+            grad_q,
+            stage,
+            rope,
+            self._rows(self.waiting, i),
+            self._rows(self.grad_x, i),
+            self.grad_wq,
+        )
+
+    def kv(self, j: int, grad_k: Tensor, grad_v: Tensor, block: int, rope: Tensor) -> None:
+        span = self.layer.spans[j]
+        if self.grad_x is None and self.needs("x"):
+            self.grad_x = span.new_input_grad(self.x, self.wait)
+        span.kv_backward(
+            grad_k, grad_v, block, rope, self._rows(self.grad_x, j), self.grad_wk, self.grad_wv
+        )
+
+    def finish(self) -> tuple[Tensor | None, AttentionWeights]:
+        x, weights, params = self.x, self.weights, self.params
+        grad_x, grad_wq = self.grad_x, self.grad_wq
+        if self.wait:
+            whole = AttentionProjections(x, weights, params, self.layer.qk)
+            grad_wq = whole.queries_backward(self.waiting, grad_x, self.needs("wq"))
+        grad_x, grad_wq, grad_wk, grad_wv = (
+            None if g is None else g.view_as(t).to(t.dtype)
+            for g, t in zip(
+                (grad_x, grad_wq, self.grad_wk, self.grad_wv),
+                (x, weights.wq, weights.wk, weights.wv),
+            )
+        )
+        return grad_x, AttentionWeights(
+            grad_wq, grad_wk, grad_wv, self.grad_wo, *self.layer.qk.weight_grads()
+        )
+
+
+def fpdt_backward(
+    grad_y: Tensor,
+    x: Tensor,
+    weights: AttentionWeights,
+    rope: Tensor,
+    doc_ids: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    params: AttentionParams,
+) -> tuple[Tensor | None, AttentionWeights]:
+    """The fused op's backward; returns (dx, the weights' gradients), None for those autograd
+    does not ask for (``_Gradients``)."""
+    layer = _fused_chunks(x, weights, params, doc_ids)
+    grads = _Gradients(layer, x, weights, out, grad_y, params)
+    backward_chunks(layer, grads, rope, doc_ids, grads.out, lse)
+    return grads.finish()
 
 
 _OP = AttentionOp("fpdt", fpdt_forward, fpdt_backward)
@@ -409,7 +505,86 @@ def fpdt_attention(
     params: AttentionParams,
 ) -> Tensor:
     """Differentiable FPDT attention including the output projection ``weights.wo`` of a
-    chunk-strided
-    shard; see the module docstring. ``params.chunks`` sequence chunks; ``params.store_name``
-    names the host store (``runtime.host_store.named_host_store``) for parked chunks."""
+    chunk-strided shard; see the module docstring. ``params.chunks`` sequence chunks;
+    ``params.store_name`` names the host store (``runtime.host_store.named_host_store``) for
+    parked chunks."""
     return _OP(x, weights, rope, doc_ids, params)
+
+
+# --- the op-level entry: the chunk loop on given q, k, v --------------------------------------
+
+
+def _given_chunks(
+    q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, doc_ids: Tensor | None
+) -> _Chunks:
+    return _Chunks(
+        q, params, doc_ids, lambda rows: GivenQKV(q[:, rows], k[:, rows], v[:, rows], params)
+    )
+
+
+class _InputGradients:
+    """Where the op-level entry's backward puts each final dQ_i (its rows and stage heads of dq)
+    and each K/V chunk's dK, dV of a block (its rows and the block's heads of dk, dv), in the
+    inputs' layout."""
+
+    queries = True
+
+    def __init__(self, layer: _Chunks, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor) -> None:
+        self.layer, self.grad_out = layer, grad_out
+        self.grad_q = torch.empty_like(q)
+        self.grad_k, self.grad_v = torch.empty_like(k), torch.empty_like(v)
+
+    def output_grad(self, i: int, stage: Stage) -> Tensor:
+        return self.layer.spans[i].output_grad(self.grad_out[:, self.layer.local[i]], stage)
+
+    def query(self, i: int, grad_q: Exchange, stage: Stage, rope: None) -> None:
+        rows = self.layer.local[i]
+        self.layer.spans[i].write_stage(self.grad_q[:, rows], stage, grad_q.result())
+
+    def kv(self, j: int, grad_k: Tensor, grad_v: Tensor, block: int, rope: None) -> None:
+        span, rows = self.layer.spans[j], self.layer.local[j]
+        heads = span.block_heads(block)
+        for grad_h, target in ((grad_k, self.grad_k), (grad_v, self.grad_v)):
+            target[:, rows, heads] = span.kv_grad(grad_h, target.dtype)
+
+
+def fpdt_qkv_forward(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, params: AttentionParams
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The op-level entry's forward: (out (B, L, H, d), lse (B, H, L), lse of each stage)."""
+    layer = _given_chunks(q, k, v, params, doc_ids)
+    out, lse = forward_chunks(layer, None, doc_ids)
+    whole = lse.new_empty(q.shape[0], q.shape[1], q.shape[2], 1)
+    for i, span in enumerate(layer.spans):
+        for index, stage in enumerate(layer.schedule.stages):
+            span.write_lse(whole[:, layer.local[i]], stage, lse[index, :, :, layer.gathered[i]])
+    return out, whole.squeeze(-1).transpose(1, 2).contiguous(), lse
+
+
+def fpdt_qkv_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    params: AttentionParams,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The op-level entry's backward: (dq, dk, dv)."""
+    layer = _given_chunks(q, k, v, params, doc_ids)
+    grads = _InputGradients(layer, q, k, v, grad_out)
+    backward_chunks(layer, grads, None, doc_ids, out, lse)
+    return grads.grad_q, grads.grad_k, grads.grad_v
+
+
+_QKV_OP = QKVAttentionOp("fpdt_qkv_attention", fpdt_qkv_forward, fpdt_qkv_backward)
+
+
+def fpdt_qkv_attention(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, params: AttentionParams
+) -> tuple[Tensor, Tensor]:
+    """``fpdt_attention`` on given q, k, v (already rotated) of a chunk-strided shard: (out
+    (B, S/C, H, d), lse (B, H, S/C), no gradient) (``ContextParallelAttention.attention`` is
+    the public entry)."""
+    return _QKV_OP(q, k, v, doc_ids, params)

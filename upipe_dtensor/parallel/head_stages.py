@@ -161,6 +161,11 @@ class HeadStages:
         rep = self.schedule.kv_replication
         return grad.unflatten(2, (-1, rep)).sum(3) if rep > 1 else grad
 
+    def write_lse(self, whole: Tensor, stage: Stage, lse: Tensor) -> None:
+        """whole[:, :, stage heads] = the stage's LSE (B, U/C_h, S_h), head layout, back in
+        the sequence layout; ``whole`` is (B, L, H, 1)."""
+        self.write_stage(whole, stage, self.to_sequence(lse.transpose(1, 2).unsqueeze(-1)))
+
     def block_heads(self, block: int) -> slice:
         """The model's KV heads of ``block``."""
         return slice(*self.schedule.kv_block_heads(block))
@@ -179,3 +184,36 @@ class HeadStages:
             buffer[:, :, first : first + values.shape[2]] = values
         else:
             buffer.index_copy_(2, head_index(stage.query_heads, buffer.device), values)
+
+
+class GivenQKV(HeadStages):
+    """Head stages whose queries, keys and values are given: (B, L, heads, d) ``q``, ``k``,
+    ``v`` of a span of the local shard, already rotated (the styles' op-level entry)."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, params) -> None:
+        batch, local_len, n_heads, head_dim = q.shape
+        super().__init__(
+            q,
+            batch,
+            local_len,
+            n_heads,
+            k.shape[2],
+            head_dim,
+            params.head_group,
+            params.head_degree,
+            params.heads_per_stage,
+        )
+        self.q, self.k, self.v = q, k, v
+
+    def query(self, stage: Stage, rope: None) -> Tensor:
+        return self.read_stage(self.q, stage)
+
+    def key(self, block: int, rope: None) -> Tensor:
+        return self.k[:, :, self.block_heads(block)]
+
+    def value(self, block: int) -> Tensor:
+        return self.v[:, :, self.block_heads(block)]
+
+    def output_grad(self, grad_out: Tensor, stage: Stage) -> Tensor:
+        """The stage's slice of ``grad_out`` (B, L, H, d) in the head layout."""
+        return self.to_heads(functools.partial(self.read_stage, grad_out, stage))

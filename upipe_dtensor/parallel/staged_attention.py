@@ -79,7 +79,7 @@ from upipe_dtensor.parallel.attention_op import (
     QKVAttentionOp,
 )
 from upipe_dtensor.parallel.head_schedule import Stage
-from upipe_dtensor.parallel.head_stages import HeadStages, resolve_group
+from upipe_dtensor.parallel.head_stages import GivenQKV, HeadStages, resolve_group
 from upipe_dtensor.parallel.projections import AttentionProjections
 from upipe_dtensor.parallel.qk_transform import QKTransform
 from upipe_dtensor.parallel.ring import Ring, ring_attention_backward, ring_attention_forward
@@ -107,36 +107,15 @@ class _Layer(AttentionProjections, _Ring):
         self._attend_with(params, x, doc_ids)
 
 
-class _GivenLayer(HeadStages, _Ring):
+class _GivenLayer(GivenQKV, _Ring):
     """The op-level entry's layer: a stage's queries and a block's keys and values read from
-    the given (B, L, heads, d) ``q``, ``k``, ``v`` of the local shard (already rotated)."""
+    the given ``q``, ``k``, ``v`` of the local shard, plus the ring."""
 
     def __init__(
         self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, doc_ids: Tensor | None
     ) -> None:
-        batch, local_len, n_heads, head_dim = q.shape
-        super().__init__(
-            q,
-            batch,
-            local_len,
-            n_heads,
-            k.shape[2],
-            head_dim,
-            params.head_group,
-            params.head_degree,
-            params.heads_per_stage,
-        )
-        self.q, self.k, self.v = q, k, v
+        super().__init__(q, k, v, params)
         self._attend_with(params, q, doc_ids)
-
-    def query(self, stage: Stage, rope: None) -> Tensor:
-        return self.read_stage(self.q, stage)
-
-    def key(self, block: int, rope: None) -> Tensor:
-        return self.k[:, :, self.block_heads(block)]
-
-    def value(self, block: int) -> Tensor:
-        return self.v[:, :, self.block_heads(block)]
 
 
 class _ForwardInputs:
@@ -631,8 +610,7 @@ def _lse_in_sequence(layer: _GivenLayer, lse: Tensor) -> Tensor:
     sequence layout and the model's head order."""
     whole = lse.new_empty(layer.batch, layer.local_len, layer.schedule.n_heads, 1)
     for index, stage in enumerate(layer.schedule.stages):
-        heads = lse[index].transpose(1, 2).unsqueeze(-1).contiguous()  # (B, S_h, U/C_h, 1)
-        layer.write_stage(whole, stage, layer.to_sequence(heads))
+        layer.write_lse(whole, stage, lse[index])
     return whole.squeeze(-1).transpose(1, 2).contiguous()
 
 

@@ -33,7 +33,7 @@ from upipe_dtensor.parallel.attention_kinds import (
     unused_parameters,
 )
 from upipe_dtensor.parallel.attention_op import AttentionParams
-from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
+from upipe_dtensor.parallel.fpdt_attention import fpdt_attention, fpdt_qkv_attention
 from upipe_dtensor.parallel.layouts import (
     chunk_count,
     chunked_positions,
@@ -519,6 +519,20 @@ class UPipeAttention(ContextParallelAttention):
             return super()._attend(module, axes, x, rope, doc_ids)
         params = self._params(module, axes, x.shape[1] * axes.cp_degree)
         return fpdt_attention(x, attention_weights(module), rope, doc_ids, params)
+
+    def _attention_of(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        doc_ids: Tensor | None,
+        axes: _Axes,
+        seq_len: int,
+    ) -> tuple[Tensor, Tensor]:
+        if self.chunk_tokens is None:
+            return super()._attention_of(q, k, v, doc_ids, axes, seq_len)
+        params = self._stage_params(q.shape[2], q.shape[3], axes, seq_len)
+        return fpdt_qkv_attention(q, k, v, doc_ids, params)
 
 
 class UlyssesAttention(UPipeAttention):
