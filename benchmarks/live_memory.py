@@ -38,8 +38,13 @@ _ALLOC_OPS = {
     "aten::new_empty_strided",
 }
 _AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
-# Python files whose frames label an allocation (the innermost one on its stack).
-CODE_OF_INTEREST = re.compile(r"upipe_dtensor|torch/nn/modules|attention_memory|live_memory")
+# Python files whose frames label an allocation (the innermost one on its stack), and whose
+# return puts back a free the profiler missed (``allocations``): this package's, torch's modules,
+# the benchmarks', and the peers' (DeepSpeed's and yunchang's exchanges, whose buffers gloo's
+# worker thread may let go of, so each is freed when its own function returns).
+CODE_OF_INTEREST = re.compile(
+    r"upipe_dtensor|torch/nn/modules|attention_memory|live_memory|peer_attention|deepspeed|yunchang"
+)
 _FRAME = re.compile(r"\(\d+\)")  # a PyCall's line number is its def line, not the call's: drop it
 _CHECK = "live_memory::check"
 

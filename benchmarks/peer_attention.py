@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -182,6 +183,7 @@ class PeerInnerAttention(nn.Module):
 
 
 PEER_MODULES = {"deepspeed": "deepspeed.sequence.layer", "yunchang": "yunchang"}
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's accelerator, named: no detection
 
 
 def missing_peer(peer: str) -> str:
@@ -244,17 +246,20 @@ def build_attention(geometry: Geometry, dtype: torch.dtype) -> Attention:
 @dataclass
 class Layer:
     """One row's layer on this rank: the module, the global positions of its shard, and the
-    RoPE argument it takes (the peers: their shard's rows of torchtitan's table; the styles: the
-    whole table, which they index by their own layout)."""
+    RoPE arguments it takes: torchtitan's whole table, which every row indexes inside its own
+    forward (the peers' torchtitan module at ``positions``, as torchtitan's CP passes them; the
+    styles at their own layout's), so each row's window holds its shard's rows."""
 
     module: nn.Module
     positions: Tensor
     freqs: Tensor
+    peer: bool
 
     def __call__(self, x: Tensor, checkpointed: bool) -> Tensor:
+        args = (x, self.freqs, None, self.positions[None] if self.peer else None)
         if checkpointed:
-            return checkpoint(self.module, x, self.freqs, None, use_reentrant=False)
-        return self.module(x, self.freqs, None)
+            return checkpoint(self.module, *args, use_reentrant=False)
+        return self.module(*args)
 
 
 def make_layer(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) -> Layer:
@@ -265,10 +270,10 @@ def make_layer(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMes
         attention.inner_attention = PeerInnerAttention(peer_ulysses(row.peer, mesh.get_group()))
         local = geometry.seq_len // cp
         positions = torch.arange(rank * local, (rank + 1) * local)
-        return Layer(attention, positions, freqs[positions])
+        return Layer(attention, positions, freqs, peer=True)
     style = registry.make_style({"cp_style": row.style, **dict(row.options)})
     attention = parallelize_module(attention, mesh, style)
-    return Layer(attention, style.shard_positions(geometry.seq_len, rank, cp), freqs)
+    return Layer(attention, style.shard_positions(geometry.seq_len, rank, cp), freqs, peer=False)
 
 
 def _set_frozen(module: nn.Module, frozen: bool) -> None:
@@ -298,8 +303,8 @@ def measure(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) 
     x_shard = x_all[:, layer.positions].contiguous()
     grad = grad_all[:, layer.positions].contiguous()
     del x_all, grad_all
-    warm = x_shard[:, :64].clone().requires_grad_()  # one-off lazy allocations are not the layer's
-    layer(warm, False).sum().backward()
+    warm = Layer(layer.module, layer.positions[:64], layer.freqs, layer.peer)
+    warm(x_shard[:, :64].clone().requires_grad_(), False).sum().backward()  # lazy one-offs
     layer.module.zero_grad(set_to_none=True)
 
     x = x_shard.clone().requires_grad_()

@@ -401,6 +401,12 @@ class _Gradients:
         grad_y = self.grad_y.reshape(-1, self.grad_y.shape[-1])
         return grad_y.t() @ self.output().reshape(grad_y.shape[0], -1)
 
+    def output_weight_grad_now(self) -> None:
+        """Form dwo now (once): for one stage, right after its kernel, when the kernel's inputs
+        are gone and before dx and the other weights' gradients exist."""
+        if self.grad_wo is None:
+            self.grad_wo = self._output_weight_grad()
+
     def query(self, grad_q: Exchange, stage: Stage, rope: Tensor) -> None:
         """A stage's dQ, on its way back to the sequence layout; where it goes is made once it
         has arrived (its exchange buffers are gone by then)."""
@@ -488,20 +494,22 @@ def _one_stage_backward(
     params: AttentionParams,
 ) -> tuple[Tensor | None, AttentionWeights]:
     """``_one_stage_forward``'s backward: dO exchanged, Q/K/V projected and exchanged again,
-    the saved head-layout output read as it is; dwo first (its sequence layout is exchanged back
-    for it, then freed), and dQ, the only one, goes into dx and dwq as it arrives
-    (``AttentionProjections.query_grads_wait``)."""
+    the saved head-layout output read as it is; after the kernel dwo (its sequence layout is
+    exchanged back for it, then freed: neither the kernel's inputs nor the other gradients are
+    held then), then dQ, the only one, into dx and dwq as it arrives
+    (``AttentionProjections.query_grads_wait``), then dK and dV."""
     stage = layer.schedule.stages[0]
     o_h = _head_layout(layer, out)
     buffer = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, layer.head_dim)
     output = functools.partial(_one_stage_output, layer, _head_layout(layer, out))
-    grads = _Gradients(layer, x, buffer, grad_y, params, output, output_now=True)
+    grads = _Gradients(layer, x, buffer, grad_y, params, output, output_now=False)
     grad_o_h = layer.output_grad(grad_y, weights.wo, stage)
     q_h, (k_h, v_h) = _ForwardInputs(layer, stage, rope, False).result()
     grad_q_h, grad_k_h, grad_v_h = ring_attention_backward(
         grad_o_h, q_h, k_h, v_h, o_h, lse[0], layer.scale, layer.backend, layer.ring, doc_ids
     )
     del q_h, k_h, v_h, o_h, grad_o_h
+    grads.output_weight_grad_now()
     grads.add_kv(grad_k_h, grad_v_h, pieces=1)
     del grad_k_h, grad_v_h
     sent = layer.start_to_sequence(grad_q_h) if grads.queries else None

@@ -1,0 +1,89 @@
+"""Every shipped recipe's ``plan --json``, written to a folder or compared with one written
+before: the check that a change meant to leave behaviour alone (a restructure) plans every
+recipe to the byte as before.
+
+    python scripts/plan_snapshots.py --write /tmp/plans-before   # before the change
+    python scripts/plan_snapshots.py --compare /tmp/plans-before # after it: exit 1 on a difference
+
+Each recipe is planned as ``python -m upipe_dtensor.plan --config RECIPE --json`` plans it (the
+same function, in this process): on h100-sxm with 80 GiB, or h200 with 140 GiB where the
+recipe's name says h200; the context-extension recipes on a stand-in Llama-3.1-8B folder (its
+config.json, the shipped tokenizer, no weights: the planner reads none). About 10 minutes on 2
+cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from harness import llama_31_8b_folder  # noqa: E402
+
+from upipe_dtensor.planning.cli import main as plan_main  # noqa: E402
+
+
+def recipes() -> list[Path]:
+    """Every shipped recipe (recipes/, its baselines/ and multinode/)."""
+    return sorted((REPO / "recipes").rglob("*.toml"))
+
+
+def plan_json(recipe: Path, stand_in: str) -> str:
+    """What ``plan --config RECIPE --json`` prints for ``recipe`` (exit code 3, "does not fit",
+    is an answer too)."""
+    argv = ["--config", str(recipe), "--json"]
+    if "h200" in recipe.name:
+        argv += ["--gpu", "h200"]
+    if "extend" in recipe.name:
+        argv += ["--model.hf_assets_path", stand_in]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = plan_main(argv)
+    if code not in (0, 3):
+        raise SystemExit(f"{recipe.relative_to(REPO)}: plan exited {code}")
+    return printed.getvalue()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", type=Path, metavar="DIR", help="write each recipe's plan here")
+    mode.add_argument("--compare", type=Path, metavar="DIR", help="compare with plans written")
+    args = parser.parse_args()
+    differ = []
+    # One fixed path: a plan may name the folder, and both runs must name the same.
+    folder = Path(tempfile.gettempdir()) / "upipe-plan-snapshots" / "Llama-3.1-8B"
+    shutil.rmtree(folder.parent, ignore_errors=True)
+    folder.parent.mkdir(parents=True)
+    stand_in = llama_31_8b_folder(folder)
+    try:
+        for recipe in recipes():
+            name = str(recipe.relative_to(REPO / "recipes")).replace("/", "__") + ".json"
+            text = plan_json(recipe, stand_in)
+            if args.write:
+                args.write.mkdir(parents=True, exist_ok=True)
+                (args.write / name).write_text(text)
+                print(f"wrote {name}", flush=True)
+                continue
+            before = (args.compare / name).read_text()
+            same = before == text
+            print(f"{'same' if same else 'DIFFERS'}  {recipe.relative_to(REPO)}", flush=True)
+            if not same:
+                differ.append(recipe)
+    finally:
+        shutil.rmtree(folder.parent, ignore_errors=True)
+    if differ:
+        print(f"{len(differ)} of {len(recipes())} plans differ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
