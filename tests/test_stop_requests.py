@@ -42,7 +42,7 @@ def stop(monkeypatch):
     monkeypatch.setattr(shutdown, "_exit_now", exit_now)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(rank_deaths.dist, "get_rank", lambda group=None: 0)
-    requests = StopRequests(20.0, HINT, standing_step=10)
+    requests = StopRequests(20.0, lambda: (HINT, 10))
     requests.step_begins(14)
     yield requests
     requests.close()

@@ -198,10 +198,7 @@ class Trainer:
         boundary; a second Ctrl-C exits at once, ``shutdown.StopRequests``)."""
         training = self.config.training
         stop = StopRequests(
-            self.config.job.stop_grace_seconds,
-            resume_hint(self.checkpointer),
-            standing_step=self.start_step,
-            peers=rank_processes(),
+            self.config.job.stop_grace_seconds, self._standing, peers=rank_processes()
         )
         watch_launcher()
         self.metrics: MetricsLogger | None = None
@@ -211,7 +208,6 @@ class Trainer:
             if self.resume_from is not None:
                 start = self.checkpointer.load(self.resume_from)
                 follow_schedule(self.lr_scheduler, self.config)
-                stop.standing(resume_hint(self.checkpointer), start)
                 weights = f"snapshot {self.resume_from}"
             else:
                 weights = load_initial_weights(self.parallel)
@@ -234,6 +230,13 @@ class Trainer:
                 self.metrics.close()
             self.close()
         return losses
+
+    def _standing(self) -> tuple[str, int]:
+        """The snapshot a stop without a new one leaves as the resume point, and its step: the
+        one loaded or saved last (read by ``StopRequests`` when a signal arrives)."""
+        latest = self.checkpointer.latest if self.checkpointer is not None else None
+        step = self.start_step if latest is None else snapshot_step(latest)
+        return resume_hint(self.checkpointer), step
 
     def _metrics(self) -> MetricsLogger:
         """The step line on every rank (shown on rank 0 by default, ``runtime.logs``) and
@@ -284,9 +287,6 @@ class Trainer:
         signum = stop.agreed(self.device)
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(step, last=step == training.steps or bool(signum))
-            if self.checkpointer.latest is not None:
-                latest = snapshot_step(self.checkpointer.latest)
-                stop.standing(resume_hint(self.checkpointer), latest)
         if step == training.steps and self.config.checkpoint.last_save_in_hf:
             export_hf(self.model, self.config, step)
         if signum and step < training.steps:

@@ -39,6 +39,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -98,27 +99,27 @@ class StopRequests:
     a second Ctrl-C exits at once. Python delivers signals to the main thread only; a loop run
     from another thread is not signalled.
 
-    The training loop tells it where it is: ``step_begins(step)`` before each step, ``agreed()``
-    at its boundary, and ``standing(hint, step)`` after each save (the snapshot a stop without a
-    new one leaves as the resume point). ``peers`` (``rank_deaths.rank_processes()``) lets a
-    SIGTERM that torchrun sends because a rank died say so."""
+    The training loop tells it where it is: ``step_begins(step)`` before each step and
+    ``agreed()`` at its boundary; ``standing()`` names the snapshot a stop without a new one
+    leaves as the resume point, and its step. It is asked when a signal arrives, not told after
+    each save: a signal can land between a save and the loop's next line. ``peers``
+    (``rank_deaths.rank_processes()``) lets a SIGTERM that torchrun sends because a rank died say
+    so."""
 
     def __init__(
         self,
         grace_seconds: float,
-        resume_hint: str,
+        standing: Callable[[], tuple[str, int]],
         *,
-        standing_step: int = 0,
         peers: list[RankProcess] | None = None,
     ) -> None:
         self.grace_seconds = grace_seconds
-        self.resume_hint = resume_hint
-        """Names the snapshot an exit without a new one leaves as the resume point."""
-        self.standing_step = standing_step
-        """The step that snapshot holds (0: a rerun starts from the beginning)."""
+        self.standing = standing
+        """The snapshot that stands now, in words, and the step it holds (0: a rerun starts from
+        the beginning)."""
         self.peers = peers or []
         self.signum = 0
-        self.step = standing_step
+        self.step = standing()[1]
         """The step running, or the last one finished."""
         self.last_step_seconds: float | None = None
         self._step_began: float | None = None
@@ -129,9 +130,10 @@ class StopRequests:
         if threading.current_thread() is threading.main_thread():
             self._listen()
 
-    def standing(self, resume_hint: str, step: int) -> None:
-        """The snapshot that now stands (after a save or a load) and its step."""
-        self.resume_hint, self.standing_step = resume_hint, step
+    def _nothing_saved(self) -> str:
+        """What a stop without a new snapshot leaves: the standing one, and the steps lost."""
+        hint, standing_step = self.standing()
+        return f"{hint}; {steps_lost(standing_step, self.step)}"
 
     def step_begins(self, step: int) -> None:
         self.step, self._step_began = step, time.monotonic()
@@ -174,7 +176,7 @@ class StopRequests:
             how = " (torchrun passes a second Ctrl-C on as SIGTERM)" * (signum == signal.SIGTERM)
             _exit_now(
                 f"rank {dist.get_rank()}: Ctrl-C again{how}: stopped at once, without a new "
-                f"snapshot ({self.resume_hint}; {steps_lost(self.standing_step, self.step)}); run "
+                f"snapshot ({self._nothing_saved()}); run "
                 "the same command to resume",
                 128 + signal.SIGINT,
                 speak=_first_local_rank(),
@@ -203,8 +205,8 @@ class StopRequests:
             f"rank {dist.get_rank()}: {name} received {into}; a step takes about "
             f"{self.last_step_seconds:.0f} s here (the last one), so the next step boundary is "
             f"{remaining:.0f} s away, more than [job] stop_grace_seconds = {self.grace_seconds:g} "
-            f"s: stopped at once, without a new snapshot ({self.resume_hint}; "
-            f"{steps_lost(self.standing_step, self.step)}); run the same command to resume",
+            f"s: stopped at once, without a new snapshot ({self._nothing_saved()}); run the same "
+            "command to resume",
             128 + self.signum,
             speak=_first_local_rank(),
         )
@@ -225,9 +227,8 @@ class StopRequests:
             )
 
     def _lost_hint(self) -> str:
-        return f"{self.resume_hint[:1].upper()}{self.resume_hint[1:]}; " + steps_lost(
-            self.standing_step, self.step
-        )
+        lost = self._nothing_saved()
+        return f"{lost[:1].upper()}{lost[1:]}"
 
     def _announce(self, signum: int) -> None:
         if dist.get_rank() == 0:  # every rank gets the signal: said once
@@ -243,7 +244,7 @@ class StopRequests:
         _exit_now(
             f"rank {dist.get_rank()}: {name} received, but the step did not end within "
             f"[job] stop_grace_seconds = {self.grace_seconds:g} s; exiting without a new snapshot "
-            f"({self.resume_hint}; {steps_lost(self.standing_step, self.step)})",
+            f"({self._nothing_saved()})",
             128 + self.signum,
             speak=_first_local_rank(),
         )
