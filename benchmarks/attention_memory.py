@@ -176,8 +176,8 @@ def make_style(cfg: Config, variant: Variant):
     stage over chunks)."""
     spec = registry.style_spec(variant.style)
     values: dict[str, Any] = {"cp_style": variant.style}
-    if spec.takes("fpdt_chunk_tokens"):
-        values["fpdt_chunk_tokens"] = cfg.seq_len // variant.chunks if variant.chunks else None
+    if spec.takes("chunk_tokens"):
+        values["chunk_tokens"] = cfg.seq_len // variant.chunks if variant.chunks else None
     if spec.takes("heads_per_stage"):
         values["heads_per_stage"] = variant.heads_per_stage
     return registry.make_style(values)

@@ -143,7 +143,7 @@ PEER_ROWS = (Row("DeepSpeed Ulysses", peer="deepspeed"), Row("yunchang Ulysses",
 def project_rows(cp: int, seq_len: int) -> tuple[Row, ...]:
     """Every registered style at its defaults; UPipe also overlapped and at U = 2C; the FPDT
     rows in 4 sequence chunks."""
-    chunk = ("fpdt_chunk_tokens", seq_len // 4)
+    chunk = ("chunk_tokens", seq_len // 4)
     return (
         Row("ours: Ulysses", style="ulysses"),
         Row("ours: UPipe, U = C", style="upipe"),

@@ -48,10 +48,10 @@ def styles(ranks: int) -> dict[str, list[str]]:
         "FPDT (4 chunks)": [
             "--parallelism.cp_style",
             "fpdt",
-            "--parallelism.fpdt_chunk_tokens",
+            "--parallelism.chunk_tokens",
             chunk,
         ],
-        "UPipe x FPDT (4 chunks)": ["--parallelism.fpdt_chunk_tokens", chunk],
+        "UPipe x FPDT (4 chunks)": ["--parallelism.chunk_tokens", chunk],
     }
     if ranks >= 4:
         found["2D UPipe (2 x C/2)"] = ["--parallelism.ring_degree", "2"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 import shutil
 import sys
 import tempfile
@@ -51,6 +52,15 @@ def plan_json(recipe: Path, stand_in: str) -> str:
     return printed.getvalue()
 
 
+_CHECKOUT = re.compile(r'("config_file": ")[^"]*?(/recipes/)')
+
+
+def _anywhere(text: str) -> str:
+    """``text`` with the checkout's folder left out of the recipe's path, so that plans made in
+    two checkouts (before and after a change, in two worktrees) compare by what they plan."""
+    return _CHECKOUT.sub(r"\1<checkout>\2", text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -66,13 +76,13 @@ def main() -> int:
     try:
         for recipe in recipes():
             name = str(recipe.relative_to(REPO / "recipes")).replace("/", "__") + ".json"
-            text = plan_json(recipe, stand_in)
+            text = _anywhere(plan_json(recipe, stand_in))
             if args.write:
                 args.write.mkdir(parents=True, exist_ok=True)
                 (args.write / name).write_text(text)
                 print(f"wrote {name}", flush=True)
                 continue
-            before = (args.compare / name).read_text()
+            before = _anywhere((args.compare / name).read_text())
             same = before == text
             print(f"{'same' if same else 'DIFFERS'}  {recipe.relative_to(REPO)}", flush=True)
             if not same:

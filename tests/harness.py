@@ -144,7 +144,7 @@ def make_style(case: dict):
     registered name."""
     values = {"cp_style": case["style"].removesuffix("2d")}
     if "chunks" in case:
-        values["fpdt_chunk_tokens"] = math.ceil(case["seq_len"] / case["chunks"])
+        values["chunk_tokens"] = math.ceil(case["seq_len"] / case["chunks"])
         if case.get("u") is not None:
             values["cp_style"] = "upipe"  # UPipe x FPDT: head stages over sequence chunks
     spec = registry.style_spec(values["cp_style"])

@@ -314,11 +314,11 @@ LAYER_STYLES = {  # name -> the style's [parallelism] values
     "upipe, U = 2C": {"cp_style": "upipe", "heads_per_stage": 2 * C},
     "ulysses": {"cp_style": "ulysses"},
     "ring": {"cp_style": "ring"},
-    "fpdt, 4 chunks": {"cp_style": "fpdt", "fpdt_chunk_tokens": LAYER_SEQ // 4},
+    "fpdt, 4 chunks": {"cp_style": "fpdt", "chunk_tokens": LAYER_SEQ // 4},
     "upipe x fpdt, U = C, 4 chunks": {
         "cp_style": "upipe",
         "heads_per_stage": C,
-        "fpdt_chunk_tokens": LAYER_SEQ // 4,
+        "chunk_tokens": LAYER_SEQ // 4,
     },
 }
 TOLERANCE = 0.03

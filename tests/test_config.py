@@ -107,32 +107,44 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
             r"ring_degree = 3 must divide context_parallel_degree = 2; use one of \[1, 2\]",
         ),
         (
-            ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "1"],
+            ["--parallelism.cp_style", "fpdt", "--parallelism.chunk_tokens", "1"],
             2,
             "chunk_tokens 1 is smaller than the cp degree 2",
         ),
         (
             ["--parallelism.cp_style", "fpdt", "--parallelism.heads_per_stage", "2"],
             2,
-            "for UPipe x FPDT use cp_style = 'upipe' with fpdt_chunk_tokens > 0",
+            "for UPipe x FPDT use cp_style = 'upipe' with chunk_tokens",
         ),
         (
-            ["--parallelism.fpdt_chunk_tokens", "64", "--parallelism.ring_degree", "2"],
+            ["--parallelism.chunk_tokens", "64", "--parallelism.ring_degree", "2"],
             2,
-            r"command line: .*sequence chunks \(fpdt_chunk_tokens = 64\) and a ring axis "
+            r"command line: .*sequence chunks \(chunk_tokens = 64\) and a ring axis "
             r"\(ring_degree = 2\) cannot be combined",
         ),
         (
-            ["--parallelism.cp_style", "ring", "--parallelism.fpdt_chunk_tokens", "64"],
+            ["--parallelism.cp_style", "ring", "--parallelism.chunk_tokens", "64"],
             2,
-            r"fpdt_chunk_tokens does not apply to cp_style 'ring' \(an option of cp_style 'upipe' "
+            r"chunk_tokens does not apply to cp_style 'ring' \(an option of cp_style 'upipe' "
             r"and 'fpdt'\); remove it",
         ),
         (
             ["--parallelism.heads_per_stage", "0"],
             2,
-            r"command line: \[parallelism\] heads_per_stage = 0 no longer means unset: leave "
-            r"heads_per_stage out for cp_style 'upipe''s default",
+            r"command line: \[parallelism\] cp_style 'upipe': heads_per_stage = 0: give a "
+            r"positive U .* or leave it out for U = C",
+        ),
+        (
+            ["--parallelism.chunk_tokens", "0"],
+            2,
+            r"chunk_tokens = 0: give a positive number of tokens per sequence chunk, or leave "
+            r"chunk_tokens out for none",
+        ),
+        (
+            ["--parallelism.fpdt_chunk_tokens", "64"],
+            2,
+            r"command line: \[parallelism\] fpdt_chunk_tokens is now chunk_tokens \(the same "
+            r"meaning; leave it out for none\): rename it",
         ),
         (
             ["--parallelism.context_parallel_degree", "16", "--training.seq_len", "512"],

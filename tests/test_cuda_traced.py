@@ -66,10 +66,10 @@ STEPS = {
     "ulysses": (["--parallelism.cp_style", "ulysses"], "flash"),
     "ring": (["--parallelism.cp_style", "ring"], "flash"),
     "fpdt": (
-        ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "128"],
+        ["--parallelism.cp_style", "fpdt", "--parallelism.chunk_tokens", "128"],
         "flash",
     ),
-    "upipe-x-fpdt": (["--parallelism.fpdt_chunk_tokens", "128"], "flash"),
+    "upipe-x-fpdt": (["--parallelism.chunk_tokens", "128"], "flash"),
     "upipe-2d": (
         ["--parallelism.context_parallel_degree", "4", "--parallelism.ring_degree", "2"],
         "flash",

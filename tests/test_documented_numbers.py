@@ -143,7 +143,12 @@ def test_the_readme_headline_ratios_are_the_docs_tables() -> None:
 
 def test_the_benchmark_rows_run_the_style_they_name() -> None:
     """The rows labelled UPipe x FPDT once ran plain FPDT ('fpdt' was tested for first)."""
-    from upipe_dtensor.parallel.style import FPDTAttention, RingAttention, UPipeAttention
+    from upipe_dtensor.parallel.style import (
+        FPDTAttention,
+        RingAttention,
+        UPipeAttention,
+        UPipeFPDTAttention,
+    )
 
     pytest.importorskip(  # the benchmark measures torchtitan 0.2.2's attention layer
         "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's attention layer"
@@ -152,7 +157,7 @@ def test_the_benchmark_rows_run_the_style_they_name() -> None:
     config = bench.Config(4, 8192, 1, 32, 8, 64, "float32", bench.default_variants(4, 32, [4], [4]))
     styles = {v.name: bench.make_style(config, v) for v in config.variants}
     both = styles["UPipe x FPDT, U = C, 4 chunks"]
-    assert type(both) is UPipeAttention and both.chunk_tokens == 2048
+    assert type(both) is UPipeFPDTAttention and both.chunk_tokens == 2048
     assert type(styles["FPDT, 4 chunks"]) is FPDTAttention
     assert type(styles["ring attention"]) is RingAttention
     assert (

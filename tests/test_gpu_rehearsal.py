@@ -74,7 +74,7 @@ def _cp(degree: int, ring: int = 1) -> list[str]:
 
 
 def _chunks(tokens: int) -> list[str]:
-    return ["--parallelism.fpdt_chunk_tokens", str(tokens)]
+    return ["--parallelism.chunk_tokens", str(tokens)]
 
 
 # style: (overrides, the smaller and the larger job: (overrides, layers), host syncs per step).

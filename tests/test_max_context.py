@@ -153,7 +153,7 @@ def test_max_context_on_two_nodes_prints_a_2d_recipe_without_sequence_chunks(
     """More GPUs than a node runs UPipe in 2D; the recipe's sequence chunks (which a ring axis
     does not take) are switched off in the printed recipe, which loads, fits, and is the limit."""
     (tmp_path / "chunked.toml").write_text(
-        'extends = "debug_model.toml"\n[parallelism]\nfpdt_chunk_tokens = 2048\n'
+        'extends = "debug_model.toml"\n[parallelism]\nchunk_tokens = 2048\n'
     )
     report = _max_context_json(
         tmp_path,
@@ -169,10 +169,9 @@ def test_max_context_on_two_nodes_prints_a_2d_recipe_without_sequence_chunks(
         recipe="chunked.toml",
     )
     _check_printed_recipe(tmp_path, report)
-    assert (
-        "fpdt_chunk_tokens = 0" in report["recipe_toml"]
-        and "ring_degree = 2" in report["recipe_toml"]
-    )
+    recipe = report["recipe_toml"]
+    assert "ring_degree = 2" in recipe and "\nchunk_tokens" not in recipe
+    assert 'extends = "debug_model.toml"' in recipe  # the chunked file's base: its chunks unset
     assert "sequence chunks do not combine with a ring" in report["not_searched"]["sequence_chunks"]
 
 
@@ -269,7 +268,7 @@ def test_knobs_follow_the_layout() -> None:
     assert list(one_node) == list(KNOB_NAMES)
     chunks, heads = one_node["sequence_chunks"], one_node["heads_per_stage"]
     assert chunks.values == (8, 4, 2, 1) and heads.values == (2, 4, 8)
-    assert chunks.apply(config, 4).parallelism.options.fpdt_chunk_tokens == 2048
+    assert chunks.apply(config, 4).parallelism.options.chunk_tokens == 2048
     assert one_node["blocks_per_checkpoint"].values == (
         2,
         1,

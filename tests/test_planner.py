@@ -74,7 +74,7 @@ JOBS = {
     ],
     "ring": ["--parallelism.cp_style", "ring"],
     # 4 chunks per rank at cp 2, 2 at cp 4: earlier K/V chunks in the host store
-    "fpdt": ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "256"],
+    "fpdt": ["--parallelism.cp_style", "fpdt", "--parallelism.chunk_tokens", "256"],
     "upipe-2d": ["--parallelism.ring_degree", "2"],  # 2 x 1 at cp 2, 2 x 2 at cp 4
     "upipe+checkpoint_pairs": [
         "--activation_checkpoint.mode",
@@ -366,11 +366,11 @@ SHORTCUTS = {  # on fake tensors: loops of >= 4 identical iterations run their f
         "16384",
         "--parallelism.cp_style",
         "fpdt",
-        "--parallelism.fpdt_chunk_tokens",
+        "--parallelism.chunk_tokens",
         "2048",
     ],
     # UPipe x FPDT: KV blocks shared by several stages (partial dK/dV parked between them)
-    "upipe x fpdt": ["--training.seq_len", "16384", "--parallelism.fpdt_chunk_tokens", "2048"],
+    "upipe x fpdt": ["--training.seq_len", "16384", "--parallelism.chunk_tokens", "2048"],
 }
 
 

@@ -77,7 +77,7 @@ def _score_on_ranks(rank: int, world: int, overrides: list, prompts: list, out: 
     results = {}
     for name, extra in [
         ("upipe", []),
-        ("fpdt", ["--parallelism.cp_style", "fpdt", "--parallelism.fpdt_chunk_tokens", "8"]),
+        ("fpdt", ["--parallelism.cp_style", "fpdt", "--parallelism.chunk_tokens", "8"]),
     ]:
         config, _ = prepare_prompts(TaskRequest("passkey", LENGTHS, DEPTHS), overrides + extra)
         built, _, _ = load_job_model(config)

@@ -58,12 +58,10 @@ class ToyOptions(UlyssesOptions):
 
 
 class ToyUlysses(UlyssesAttention):
-    """A new style: Ulysses under another name, with an option of its own."""
+    """A new style: Ulysses under another name, with an option of its own (its constructor's
+    keyword arguments are its options' fields: nothing else to write)."""
 
     Options = ToyOptions
-
-    def __init__(self, *, exchange_hops: int = 1, ring_degree: int | None = None, **kernels):
-        self._configure(ToyOptions(exchange_hops=exchange_hops), ring_degree=ring_degree, **kernels)
 
 
 @pytest.fixture
@@ -106,7 +104,8 @@ def test_a_registered_style_and_its_option_run_everywhere_without_other_edits(to
     )
     style = make_cp_style(setup, None)
     assert type(style) is ToyUlysses and style.ring_degree == 2
-    assert repr(style) == "ToyUlysses(exchange_hops=3, ring_degree=2)" and style.backend == "sdpa"
+    assert repr(style) == "ToyUlysses(exchange_hops=3, ring_degree=2, backend='sdpa')"
+    assert repr(ToyUlysses(exchange_hops=2)) == "ToyUlysses(exchange_hops=2)"
     assert describe_cp_style(parallelism, 8) == "Toy Ulysses on a ring of 2 x 2 head ranks"
     assert _overlapped_stages(parallelism, 8) == 1
     assert on_world(config, 8, gpus_per_node=4).parallelism.options.exchange_hops == 3
@@ -164,12 +163,12 @@ def test_make_style_checks_as_the_config_does() -> None:
     namespace, refused and checked as a job file's are."""
     with pytest.raises(OptionError, match="heads_per_stage does not apply to cp_style 'ring'"):
         make_style({"cp_style": "ring", "heads_per_stage": 2})
-    with pytest.raises(OptionError, match=r"chunk_tokens: not a style option"):
-        make_style({"cp_style": "upipe", "chunk_tokens": 64})
+    with pytest.raises(OptionError, match=r"fpdt_chunk_tokens: not a style option"):
+        make_style({"cp_style": "upipe", "fpdt_chunk_tokens": 64})  # chunk_tokens, since 48
     with pytest.raises(OptionError, match=r"n_heads=8 is not divisible by heads_per_stage=3"):
         make_style({"cp_style": "upipe", "heads_per_stage": 3}, Geometry(8, 8, cp_degree=2))
     section = types.SimpleNamespace(  # a plug-in's section: every option, unset ones None
-        cp_style="upipe", heads_per_stage=4, fpdt_chunk_tokens=None, overlap_stages=None, lr=1e-3
+        cp_style="upipe", heads_per_stage=4, chunk_tokens=None, overlap_stages=None, lr=1e-3
     )
     style = make_style(section, Geometry(8, 8, cp_degree=2, ring_degree=1))
     assert repr(style) == "UPipeAttention(heads_per_stage=4, ring_degree=1)"

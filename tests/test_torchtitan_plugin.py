@@ -177,7 +177,7 @@ def _with_plugin(
             [
                 *plugin,
                 "--upipe.cp_style=fpdt",
-                "--upipe.fpdt_chunk_tokens=32",
+                "--upipe.chunk_tokens=32",
                 "--activation_checkpoint.mode=none",
                 "--checkpoint.folder=fpdt",
             ],
@@ -252,8 +252,8 @@ def test_upipe_in_torchtitans_trainer_equals_it_without_cp(tmp_path: Path) -> No
         ({"cp_style": "upipe"}, "headtail", "--parallelism.context_parallel_load_balancer None"),
         ({"cp_style": "ulysses"}, "headtail", "--parallelism.context_parallel_load_balancer None"),
         ({"cp_style": "ring"}, None, "context_parallel_load_balancer = 'headtail'"),
-        ({"cp_style": "fpdt", "fpdt_chunk_tokens": 16}, None, "-m upipe_dtensor.integrations"),
-        ({"cp_style": "upipe", "fpdt_chunk_tokens": 16}, "headtail", "-m upipe_dtensor.integ"),
+        ({"cp_style": "fpdt", "chunk_tokens": 16}, None, "-m upipe_dtensor.integrations"),
+        ({"cp_style": "upipe", "chunk_tokens": 16}, "headtail", "-m upipe_dtensor.integ"),
         ({"cp_style": "upipe"}, "ptrr", "--parallelism.context_parallel_load_balancer None"),
     ],
 )
@@ -270,7 +270,7 @@ def test_a_balancer_that_is_not_the_styles_layout_is_refused(values, balancer, f
         ({"cp_style": "upipe"}, None),
         ({"cp_style": "ulysses"}, None),
         ({"cp_style": "ring"}, "headtail"),
-        ({"cp_style": "fpdt", "fpdt_chunk_tokens": 64}, None),  # one chunk: contiguous
+        ({"cp_style": "fpdt", "chunk_tokens": 64}, None),  # one chunk: contiguous
     ],
 )
 def test_the_balancer_of_the_styles_layout_is_accepted(values, balancer) -> None:
@@ -297,7 +297,7 @@ def test_the_shipped_torchtitan_job_file_trains_llama3_with_upipe() -> None:
     ("settings", "message"),
     [
         ({"heads_per_stage": 12}, "[upipe] n_heads=32 is not divisible by heads_per_stage=12"),
-        ({"cp_style": "ring", "fpdt_chunk_tokens": 4096}, "does not apply to cp_style 'ring'"),
+        ({"cp_style": "ring", "chunk_tokens": 4096}, "does not apply to cp_style 'ring'"),
         ({"ring_degree": 2}, "ring_degree = 2: 2D context parallelism needs a (cp_ring"),
     ],
 )

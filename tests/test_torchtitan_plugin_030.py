@@ -150,7 +150,7 @@ def _with_plugin(rank: int, world_size: int, common: list[str], seed: Path, out:
             [
                 *plugin,
                 "--upipe.cp_style=fpdt",
-                "--upipe.fpdt_chunk_tokens=16",
+                "--upipe.chunk_tokens=16",
                 "--checkpoint.folder=fpdt",
             ]
         )

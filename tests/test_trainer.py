@@ -108,7 +108,7 @@ RING = ["--parallelism.cp_style", "ring"]
 FPDT = [
     "--parallelism.cp_style",
     "fpdt",
-    "--parallelism.fpdt_chunk_tokens",
+    "--parallelism.chunk_tokens",
     "16",
 ]  # 4 chunks per rank
 
@@ -121,7 +121,7 @@ FPDT = [
         ["--compile.enable", "true"],
         RING + MEMORY_STACK,
         FPDT + MEMORY_STACK + ["--compile.enable", "true"],
-        ["--parallelism.fpdt_chunk_tokens", "16"] + MEMORY_STACK,
+        ["--parallelism.chunk_tokens", "16"] + MEMORY_STACK,
     ],
     ids=[
         "upipe",

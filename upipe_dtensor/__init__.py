@@ -17,11 +17,13 @@ from upipe_dtensor.parallel import (
     RingAttention,
     UlyssesAttention,
     UPipeAttention,
+    UPipeFPDTAttention,
 )
 
 __all__ = [
     "ContextParallelAttention",
     "UPipeAttention",
+    "UPipeFPDTAttention",
     "UlyssesAttention",
     "RingAttention",
     "FPDTAttention",

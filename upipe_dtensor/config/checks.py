@@ -88,10 +88,6 @@ def _check_positive(config: JobConfig, fail) -> None:
         )
 
 
-_RETIRED_ZEROS = ("heads_per_stage", "fpdt_chunk_tokens")
-"""Options whose 0 once meant "unset, the style's default" (UPipe's U, FPDT's chunk); unset is
-now leaving the key out, so a 0 that is no value of the style is refused naming that."""
-
 _GEOMETRY_KEYS = {
     "n_heads": ("model.name", "model.flavor", "model.hf_assets_path"),
     "cp_degree": ("parallelism.context_parallel_degree",),
@@ -119,19 +115,6 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
             "parallelism.context_parallel_degree",
         )
     spec = parallelism.style
-    defaults = {f.name: f.default for f in dataclasses.fields(spec.options)}
-    for key in _RETIRED_ZEROS:
-        if parallelism.style_options.get(key) == 0 and defaults.get(key) != 0:
-            why = (
-                f"for cp_style {style!r}'s default (python train.py --help)"
-                if key in defaults
-                else f"(cp_style {style!r} does not take it; a base file's {key} does not carry "
-                "over to a file that names another cp_style)"
-            )
-            fail(
-                f"[parallelism] {key} = 0 no longer means unset: leave {key} out {why}",
-                f"parallelism.{key}",
-            )
     try:
         options = spec.options_from(parallelism.style_options)
     except OptionError as err:

@@ -255,9 +255,7 @@ def _read_toml(
         known = _keys(sections[name])
         for key, value in table.items():
             if key not in known:
-                raise ConfigError(
-                    f"{shown}: unknown key [{name}] {key}; known keys of [{name}]: {sorted(known)}"
-                )
+                raise _unknown_key(shown, name, key, known)
             item_cls = _table_type(known[key])
             merged.setdefault(name, {})[key] = (
                 _read_tables(value, item_cls, shown, f"{name}.{key}")
@@ -266,6 +264,23 @@ def _read_toml(
             )
             sources[f"{name}.{key}"] = shown
     return merged, sources, [*files, shown]
+
+
+RENAMED_KEYS = {("parallelism", "fpdt_chunk_tokens"): "chunk_tokens"}
+"""Keys that were renamed, (section, old key) -> new key: a job that writes the old one is told
+the new one, in one line (the meaning is the same, and unset is leaving the key out)."""
+
+
+def _unknown_key(where: str, section: str, key: str, known) -> ConfigError:
+    renamed = RENAMED_KEYS.get((section, key))
+    if renamed is not None:
+        return ConfigError(
+            f"{where}: [{section}] {key} is now {renamed} (the same meaning; leave it out for "
+            f"none): rename it"
+        )
+    return ConfigError(
+        f"{where}: unknown key [{section}] {key}; known keys of [{section}]: {sorted(known)}"
+    )
 
 
 def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -294,6 +309,8 @@ def _parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
             )
         known = _keys(sections[section])
         if key not in known:
+            if (section, key) in RENAMED_KEYS:
+                raise _unknown_key("command line", section, key, known)
             raise ConfigError(
                 f"command line: unknown key --{name_key}; known keys of [{section}]: "
                 f"{sorted(known)}"

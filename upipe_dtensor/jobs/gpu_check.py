@@ -138,7 +138,7 @@ def _styles(
     """Each style, and the mesh it runs on when not the 1-D CP mesh (2D UPipe: ``two_d``): the
     built-ins in their published and UPipe x FPDT forms, a style registered later in its own."""
     kernels = {"backend": backend, "kernel_device": device_type}
-    chunks = {"fpdt_chunk_tokens": seq_len // 4}
+    chunks = {"chunk_tokens": seq_len // 4}
     cases: dict[str, dict] = {
         "UPipe (U = C)": {"cp_style": "upipe"},
         "Ulysses": {"cp_style": "ulysses"},

@@ -16,11 +16,13 @@ from upipe_dtensor.parallel.style import (
     RingAttention,
     UlyssesAttention,
     UPipeAttention,
+    UPipeFPDTAttention,
 )
 
 __all__ = [
     "ContextParallelAttention",
     "UPipeAttention",
+    "UPipeFPDTAttention",
     "UlyssesAttention",
     "RingAttention",
     "FPDTAttention",

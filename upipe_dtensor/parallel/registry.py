@@ -157,14 +157,25 @@ def make_style(
         raise OptionError(str(err), "cp_style") from None
     options = spec.options_from(given)
     options.check(geometry)
+    settings = {"ring_degree": geometry.ring_degree, "host_device": host_device}
     return spec.style.from_options(
         options,
-        ring_degree=geometry.ring_degree,
-        host_device=host_device,
+        **{name: value for name, value in settings.items() if name in spec.style.SETTINGS},
         backend=backend,
         kernel_device=kernel_device,
         keep_attention=keep_attention,
     )
+
+
+def style_name(style: ContextParallelAttention) -> str:
+    """The ``cp_style`` name of ``style``: the registered class nearest its own (a
+    ``UPipeFPDTAttention``, the class ``UPipeAttention`` makes for ``chunk_tokens``, is
+    "upipe")."""
+    lineage = type(style).__mro__
+    names = [name for name, spec in STYLES.items() if spec.style in lineage]
+    if not names:
+        raise ValueError(f"{type(style).__name__} is no registered style: {list(STYLES)}")
+    return min(names, key=lambda name: lineage.index(STYLES[name].style))
 
 
 register_style(StyleSpec("upipe", UPipeAttention, "UPipe"))

@@ -75,6 +75,14 @@ def _group_name(mesh: DeviceMesh, dim: int) -> str:
     return mesh.get_group(dim).group_name if mesh.size(dim) > 1 else ""
 
 
+_KERNEL_ARGUMENTS: dict[str, object] = {
+    "backend": "auto",
+    "kernel_device": None,
+    "keep_attention": None,
+}
+"""Every style's kernel arguments and their defaults (``ContextParallelAttention._configure``)."""
+
+
 class ContextParallelAttention(ParallelStyle):
     """The base of every context-parallel attention style: module checks, the mesh, positions,
     RoPE and documents. Annotate with this type where any CP style will do.
@@ -86,64 +94,94 @@ class ContextParallelAttention(ParallelStyle):
     """
 
     Options: ClassVar[type[StyleOptions]] = StyleOptions
-    """The options dataclass this style declares; ``options`` holds this instance's."""
+    """The options this style declares, once: its constructor's keyword arguments, its
+    ``[parallelism]`` keys (``parallel.registry`` reads them from here); ``options`` holds this
+    instance's."""
+    SETTINGS: ClassVar[dict[str, object]] = {}
+    """The constructor's other arguments of this style, besides its options and the kernels'
+    (``backend``, ``kernel_device``, ``keep_attention``): name -> default."""
 
-    def __init__(
-        self,
-        *,
-        backend: str = "auto",
-        kernel_device: str | None = None,
-        keep_attention: KeptAttention | None = None,
-    ) -> None:
-        self._configure(
-            self.Options(),
-            backend=backend,
-            kernel_device=kernel_device,
-            keep_attention=keep_attention,
-        )
+    def __init_subclass__(cls, **kwargs) -> None:
+        """The constructor's signature, generated once from ``Options``, ``SETTINGS`` and the
+        kernels' arguments: what ``inspect`` and ``repr`` show."""
+        super().__init_subclass__(**kwargs)
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        options = [
+            inspect.Parameter(
+                f.name,
+                keyword,
+                default=f.default,
+                annotation=f.type,
+            )
+            for f in dataclasses.fields(cls.Options)
+            if f.init
+        ]
+        settings = [
+            inspect.Parameter(name, keyword, default=default)
+            for name, default in cls.SETTINGS.items()
+        ]
+        kernels = [
+            inspect.Parameter(name, keyword, default=default)
+            for name, default in _KERNEL_ARGUMENTS.items()
+        ]
+        cls.__signature__ = inspect.Signature([*options, *settings, *kernels])
+
+    def __new__(cls, **arguments: object) -> ContextParallelAttention:
+        """An instance of the class whose op runs these options (``_running``)."""
+        names = {f.name for f in dataclasses.fields(cls.Options)}
+        options = cls.Options(**{k: v for k, v in arguments.items() if k in names})
+        return super().__new__(cls._running(options))
 
     @classmethod
-    def from_options(
-        cls,
-        options: StyleOptions,
-        *,
-        ring_degree: int | None = None,
-        host_device: torch.device = torch.device("cpu"),
-        backend: str = "auto",
-        kernel_device: str | None = None,
-        keep_attention: KeptAttention | None = None,
-    ) -> ContextParallelAttention:
-        """The style with ``options`` (its ``Options``, e.g. from a job's ``[parallelism]``), as
-        its constructor makes it from the same values in their Python spelling (the registry's
-        ``make_style`` builds every style this way)."""
+    def _running(cls, options: StyleOptions) -> type[ContextParallelAttention]:
+        """The class that runs ``options``: this one, except where a style's option selects
+        another op (``UPipeAttention`` with ``chunk_tokens`` is ``UPipeFPDTAttention``)."""
+        return cls
+
+    def __init__(self, **arguments: object) -> None:
+        """Keyword arguments: the style's options (``Options``: one spelling, None for unset),
+        its ``SETTINGS`` and the kernels' (``backend``, ``kernel_device``, ``keep_attention``);
+        ``inspect.signature(style class)`` lists them."""
+        names = {f.name for f in dataclasses.fields(self.Options)}
+        allowed = names | set(self.SETTINGS) | set(_KERNEL_ARGUMENTS)
+        unknown = sorted(set(arguments) - allowed)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} takes no argument {', '.join(unknown)}; it takes "
+                f"{', '.join(inspect.signature(type(self)).parameters)}"
+            )
+        options = self.Options(**{k: v for k, v in arguments.items() if k in names})
+        self._configure(options, **{k: v for k, v in arguments.items() if k not in names})
+
+    @classmethod
+    def from_options(cls, options: StyleOptions, **settings: object) -> ContextParallelAttention:
+        """The style with ``options`` (its ``Options``, e.g. from a job's ``[parallelism]``),
+        as its constructor makes it from the same values; ``settings``: its ``SETTINGS`` and the
+        kernels' (the registry's ``make_style`` builds every style this way)."""
         if type(options) is not cls.Options:
             raise TypeError(f"{cls.__name__} takes {cls.Options.__name__}, got {options!r}")
-        style = cls.__new__(cls)
-        style._configure(
-            options,
-            ring_degree=ring_degree,
-            host_device=host_device,
-            backend=backend,
-            kernel_device=kernel_device,
-            keep_attention=keep_attention,
-        )
+        style = object.__new__(cls._running(options))
+        style._configure(options, **settings)
         return style
 
     def _configure(
         self,
         options: StyleOptions,
         *,
-        ring_degree: int | None = None,
-        host_device: torch.device = torch.device("cpu"),
-        backend: str,
-        kernel_device: str | None,
-        keep_attention: KeptAttention | None,
+        backend: str = "auto",
+        kernel_device: str | None = None,
+        keep_attention: KeptAttention | None = None,
+        **settings: object,
     ) -> None:
         """What every constructor sets: the options, checked as far as they can be before a
-        model and a mesh exist, and the kernels' settings. ``ring_degree`` and ``host_device``
-        are for the styles with a ring axis or sequence chunks (``UPipeAttention``)."""
+        model and a mesh exist, the style's ``SETTINGS`` (defaults for those not given) and the
+        kernels' settings."""
         super().__init__()
-        options.check(Geometry(ring_degree=ring_degree))
+        for name, default in self.SETTINGS.items():
+            setattr(self, name, settings.pop(name, default))
+        if settings:
+            raise TypeError(f"{type(self).__name__} takes no argument {', '.join(settings)}")
+        options.check(Geometry(ring_degree=getattr(self, "ring_degree", None)))
         self.options = options
         self.kept = keep_attention
         """Where each layer's attention output and LSE wait for backward's recompute (None:
@@ -162,14 +200,14 @@ class ContextParallelAttention(ParallelStyle):
         """The class and its non-default arguments, as torch's styles print."""
         shown = [
             f"{p.name}={value!r}"
-            for p in inspect.signature(type(self).__init__).parameters.values()
-            if p.kind is p.KEYWORD_ONLY and (value := self._argument(p.name)) != p.default
+            for p in inspect.signature(type(self)).parameters.values()
+            if (value := self._argument(p.name)) != p.default
         ]
         return f"{type(self).__name__}({', '.join(shown)})"
 
     def _argument(self, name: str) -> object:
-        """The value of the constructor's argument ``name``: an option's (its Python spelling, e.g.
-        ``chunk_tokens``), or the kernels' settings."""
+        """The value of the constructor's argument ``name``: an option's, a setting's, or the
+        kernels'."""
         if name == "keep_attention":
             return self.kept
         return getattr(self.options, name) if hasattr(self.options, name) else getattr(self, name)
@@ -338,7 +376,128 @@ def _require_mesh_dims(style: ParallelStyle, mesh: DeviceMesh, allowed: tuple[in
         )
 
 
-class UPipeAttention(ContextParallelAttention):
+class _HeadAndRingAxes(ContextParallelAttention):
+    """The Ulysses family's mesh: a head axis, and on a 2-D ``(cp_ring, cp_heads)`` mesh a ring
+    axis across it (UPipe and Ulysses; 2D UPipe, the USP hybrid). The layout is contiguous on a
+    1-D mesh, ``layouts.two_d_positions`` on a 2-D one."""
+
+    SETTINGS = {"ring_degree": None}
+    """``ring_degree`` (int, optional): R, the ring axis of the mesh the style will be applied
+    to (1 for a 1-D mesh); None takes it from the mesh at ``parallelize_module``, until when
+    ``shard_positions`` cannot know the layout and raises."""
+
+    def shard_positions(
+        self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
+    ) -> Tensor:
+        """Contiguous ``[r*S/C, (r+1)*S/C)`` on a 1-D mesh; on a 2-D mesh, rank
+        ``ring_rank * (C/R) + head_rank`` holds its slice of the ring rank's zigzag tokens."""
+        ring = self.ring_degree
+        if ring is None and self._applied_axes is not None:
+            ring = self._applied_axes.ring_degree
+        if ring is None:
+            raise ValueError(
+                f"{type(self).__name__}.shard_positions: the layout depends on the ring degree, "
+                "which is known once the style is applied to its mesh; call it after "
+                "parallelize_module, or construct the style with ring_degree=R (1 for a 1-D mesh)"
+            )
+        return self._layout(seq_len, cp_rank, cp_size, ring, device)
+
+    def _positions(self, axes: _Axes, seq_len: int, device: torch.device) -> Tensor:
+        return self._layout(seq_len, axes.cp_rank, axes.cp_degree, axes.ring_degree, device)
+
+    def _layout(
+        self,
+        seq_len: int,
+        cp_rank: int,
+        cp_size: int,
+        ring_degree: int | None,
+        device: torch.device | None,
+    ) -> Tensor:
+        if ring_degree == 1:
+            return contiguous_positions(seq_len, cp_rank, cp_size, device)
+        return two_d_positions(seq_len, cp_rank, cp_size, ring_degree, device)
+
+    def _axes(self, mesh: DeviceMesh) -> _Axes:
+        _require_mesh_dims(self, mesh, (1, 2))  # with chunks the ring degree is 1: the options'
+        if mesh.ndim == 1:
+            axes = super()._axes(mesh)
+        elif mesh.mesh_dim_names != _TWO_D_NAMES:
+            raise ValueError(
+                f"a 2-D mesh for {type(self).__name__} must be {_TWO_D_NAMES} (ring across nodes, "
+                f"heads inside a node), got {mesh.mesh_dim_names}; pass mesh['cp'] for 1-D CP or "
+                f"mesh['cp_ring', 'cp_heads'] for 2D"
+            )
+        else:  # (ring, heads), heads innermost
+            ring_rank, head_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
+            axes = _Axes(
+                _group_name(mesh, 1),
+                mesh.size(1),
+                _group_name(mesh, 0),
+                mesh.size(0),
+                ring_rank * mesh.size(1) + head_rank,
+            )
+        if self.ring_degree is not None and self.ring_degree != axes.ring_degree:
+            raise ValueError(
+                f"{type(self).__name__}(ring_degree={self.ring_degree}) applied to a mesh whose "
+                f"ring axis has {axes.ring_degree} ranks ({mesh.mesh_dim_names}); construct it "
+                f"with ring_degree={axes.ring_degree} or pass the matching mesh"
+            )
+        return axes
+
+
+class _ChunkedSequence(ContextParallelAttention):
+    """What running over sequence chunks makes of a style (FPDT, and UPipe x FPDT): FPDT's
+    chunk-strided layout on a 1-D mesh, the host store earlier chunks are parked in, and FPDT's
+    chunk loop (``parallel.fpdt_attention``) for the attention."""
+
+    SETTINGS = {"host_device": torch.device("cpu")}
+    """``host_device`` (torch.device): where earlier chunks are parked (pinned on CUDA); the
+    memory planner passes a stand-in it counts as host memory."""
+
+    def _configure(self, options: StyleOptions, **settings: object) -> None:
+        super()._configure(options, **settings)
+        self.host = HostMemory(self.host_device)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per global sequence chunk (after the all-to-all)."""
+        return self.options.chunk_tokens
+
+    def shard_positions(
+        self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
+    ) -> Tensor:
+        """Rank r's chunk i is global piece i*C + r (FPDT's Figure 6)."""
+        chunks = chunk_count(seq_len, cp_size, self.options.chunk_tokens)
+        return chunked_positions(seq_len, cp_rank, cp_size, chunks, device)
+
+    def _positions(self, axes: _Axes, seq_len: int, device: torch.device) -> Tensor:
+        return self.shard_positions(seq_len, axes.cp_rank, axes.cp_degree, device)
+
+    def _stage_params(
+        self, n_heads: int, head_dim: int, axes: _Axes, seq_len: int
+    ) -> AttentionParams:
+        params = super()._stage_params(n_heads, head_dim, axes, seq_len)
+        chunks = chunk_count(seq_len, axes.cp_degree, self.options.chunk_tokens)
+        return dataclasses.replace(params, chunks=chunks, store_name=self.host.name)
+
+    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
+        params = self._params(module, axes, x.shape[1] * axes.cp_degree)
+        return fpdt_attention(x, attention_weights(module), rope, doc_ids, params)
+
+    def _attention_of(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        doc_ids: Tensor | None,
+        axes: _Axes,
+        seq_len: int,
+    ) -> tuple[Tensor, Tensor]:
+        params = self._stage_params(q.shape[2], q.shape[3], axes, seq_len)
+        return fpdt_qkv_attention(q, k, v, doc_ids, params)
+
+
+class UPipeAttention(_HeadAndRingAxes):
     """Ulysses context parallelism run a few query heads at a time (UPipe, arXiv 2602.21196).
 
     On a 1-D CP mesh the module's input is this rank's contiguous sequence shard
@@ -360,14 +519,15 @@ class UPipeAttention(ContextParallelAttention):
     Keyword Args:
         heads_per_stage (int, optional): U, the query heads exchanged per stage, across the head
             axis. A multiple of the head-axis degree that divides n_heads. ``None`` takes the
-            default U of ``parallel.style_options.UPipeOptions``, which says what it is.
+            default U of ``parallel.style_options.UPipeOptions``, which says what it is. Every
+            option is also a ``[parallelism]`` key of the same name (``UPipeOptions``).
             U = n_heads is classic Ulysses.
         ring_degree (int, optional): R, the ring axis of the mesh this style will be applied to
             (1 for a 1-D mesh). ``None`` takes it from the mesh at ``parallelize_module``; until
             then ``shard_positions`` cannot know the layout and raises.
         chunk_tokens (int, optional): tokens per global sequence chunk (after the all-to-all);
-            ``None`` runs each stage over the whole sequence (``[parallelism]
-            fpdt_chunk_tokens``, where 0 does).
+            ``None`` runs each stage over the whole sequence (``[parallelism] chunk_tokens``, the
+            same name and meaning).
         keep_attention (KeptAttention, optional): keep each layer's attention output and LSE
             from forward (on the device or the host) so that a checkpointed block's recompute
             skips the attention (``memory.kept_attention``); None recomputes it. Every style.
@@ -395,171 +555,56 @@ class UPipeAttention(ContextParallelAttention):
     """
 
     Options = UPipeOptions
+    SETTINGS = {**_HeadAndRingAxes.SETTINGS, **_ChunkedSequence.SETTINGS}
 
-    def __init__(
-        self,
-        *,
-        heads_per_stage: int | None = None,
-        ring_degree: int | None = None,
-        chunk_tokens: int | None = None,
-        overlap_stages: bool = False,
-        backend: str = "auto",
-        kernel_device: str | None = None,
-        keep_attention: KeptAttention | None = None,
-        host_device: torch.device = torch.device("cpu"),
-    ) -> None:
-        self._configure(
-            UPipeOptions(
-                heads_per_stage=heads_per_stage,
-                fpdt_chunk_tokens=_chunk_option(chunk_tokens),
-                overlap_stages=overlap_stages,
-            ),
-            ring_degree=ring_degree,
-            host_device=host_device,
-            backend=backend,
-            kernel_device=kernel_device,
-            keep_attention=keep_attention,
-        )
-
-    def _configure(
-        self,
-        options: StyleOptions,
-        *,
-        ring_degree: int | None = None,
-        host_device: torch.device = torch.device("cpu"),
-        **kernels,
-    ) -> None:
-        super()._configure(options, ring_degree=ring_degree, **kernels)
-        self.ring_degree = ring_degree
-        self.host = HostMemory(host_device)
+    @classmethod
+    def _running(cls, options: StyleOptions) -> type[ContextParallelAttention]:
+        if options.chunk_tokens is not None:
+            return UPipeFPDTAttention
+        return cls
 
     @property
-    def chunk_tokens(self) -> int | None:
-        """Tokens per global sequence chunk (None: each stage over the whole sequence)."""
-        return self.options.chunk_tokens
-
-    def shard_positions(
-        self, seq_len: int, cp_rank: int, cp_size: int, device: torch.device | None = None
-    ) -> Tensor:
-        """Contiguous ``[r*S/C, (r+1)*S/C)`` on a 1-D mesh; on a 2-D mesh, rank
-        ``ring_rank * (C/R) + head_rank`` holds its slice of the ring rank's zigzag tokens; with
-        sequence chunks, rank r's chunk i is global piece i*C + r (FPDT's Figure 6)."""
-        ring = self.ring_degree
-        if ring is None and self._applied_axes is not None:
-            ring = self._applied_axes.ring_degree
-        if ring is None and self.chunk_tokens is None:
-            raise ValueError(
-                f"{type(self).__name__}.shard_positions: the layout depends on the ring degree, "
-                "which is known once the style is applied to its mesh; call it after "
-                "parallelize_module, or construct the style with ring_degree=R (1 for a 1-D mesh)"
-            )
-        return self._layout(seq_len, cp_rank, cp_size, ring, device)
-
-    def _positions(self, axes: _Axes, seq_len: int, device: torch.device) -> Tensor:
-        return self._layout(seq_len, axes.cp_rank, axes.cp_degree, axes.ring_degree, device)
-
-    def _layout(
-        self,
-        seq_len: int,
-        cp_rank: int,
-        cp_size: int,
-        ring_degree: int | None,
-        device: torch.device | None,
-    ) -> Tensor:
-        if self.chunk_tokens is not None:
-            chunks = chunk_count(seq_len, cp_size, self.chunk_tokens)
-            return chunked_positions(seq_len, cp_rank, cp_size, chunks, device)
-        if ring_degree == 1:
-            return contiguous_positions(seq_len, cp_rank, cp_size, device)
-        return two_d_positions(seq_len, cp_rank, cp_size, ring_degree, device)
-
-    def _argument(self, name: str) -> object:
-        return self.host.host_device if name == "host_device" else super()._argument(name)
-
-    def _axes(self, mesh: DeviceMesh) -> _Axes:
-        _require_mesh_dims(
-            self, mesh, (1, 2)
-        )  # with chunks the ring degree is 1: the options' check
-        if mesh.ndim == 1:
-            axes = super()._axes(mesh)
-        elif mesh.mesh_dim_names != _TWO_D_NAMES:
-            raise ValueError(
-                f"a 2-D mesh for {type(self).__name__} must be {_TWO_D_NAMES} (ring across nodes, "
-                f"heads inside a node), got {mesh.mesh_dim_names}; pass mesh['cp'] for 1-D CP or "
-                f"mesh['cp_ring', 'cp_heads'] for 2D"
-            )
-        else:  # (ring, heads), heads innermost
-            ring_rank, head_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
-            axes = _Axes(
-                _group_name(mesh, 1),
-                mesh.size(1),
-                _group_name(mesh, 0),
-                mesh.size(0),
-                ring_rank * mesh.size(1) + head_rank,
-            )
-        if self.ring_degree is not None and self.ring_degree != axes.ring_degree:
-            raise ValueError(
-                f"{type(self).__name__}(ring_degree={self.ring_degree}) applied to a mesh whose "
-                f"ring axis has {axes.ring_degree} ranks ({mesh.mesh_dim_names}); construct it "
-                f"with ring_degree={axes.ring_degree} or pass the matching mesh"
-            )
-        return axes
+    def chunk_tokens(self) -> None:
+        """None: each stage runs over the whole sequence (``UPipeFPDTAttention`` chunks it)."""
+        return None
 
     def _stage_params(
         self, n_heads: int, head_dim: int, axes: _Axes, seq_len: int
     ) -> AttentionParams:
         params = super()._stage_params(n_heads, head_dim, axes, seq_len)
-        if self.chunk_tokens is None:
-            return dataclasses.replace(params, overlap_stages=self.options.overlaps_stages)
-        chunks = chunk_count(seq_len, axes.cp_degree, self.chunk_tokens)
-        return dataclasses.replace(params, chunks=chunks, store_name=self.host.name)
-
-    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
-        if self.chunk_tokens is None:
-            return super()._attend(module, axes, x, rope, doc_ids)
-        params = self._params(module, axes, x.shape[1] * axes.cp_degree)
-        return fpdt_attention(x, attention_weights(module), rope, doc_ids, params)
-
-    def _attention_of(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        doc_ids: Tensor | None,
-        axes: _Axes,
-        seq_len: int,
-    ) -> tuple[Tensor, Tensor]:
-        if self.chunk_tokens is None:
-            return super()._attention_of(q, k, v, doc_ids, axes, seq_len)
-        params = self._stage_params(q.shape[2], q.shape[3], axes, seq_len)
-        return fpdt_qkv_attention(q, k, v, doc_ids, params)
+        return dataclasses.replace(params, overlap_stages=self.options.overlaps_stages)
 
 
-class UlyssesAttention(UPipeAttention):
-    """Classic DeepSpeed-Ulysses: every head in one stage (``UPipeAttention`` with U = n_heads).
+class UPipeFPDTAttention(_ChunkedSequence, UPipeAttention):
+    """UPipe x FPDT: each head stage of ``UPipeAttention`` over sequence chunks, earlier chunks'
+    K/V in host memory (1-D mesh, FPDT's chunk-strided layout ``layouts.chunked_positions``): the
+    longest contexts. ``UPipeAttention(chunk_tokens=N)`` constructs this class, and so does the
+    job key ``chunk_tokens`` with ``cp_style = "upipe"``; arguments and contract as for
+    ``UPipeAttention`` (``overlap_stages`` has no effect: the chunks' exchanges are waited for).
+    """
 
-    Same contract and code path as ``UPipeAttention`` (on a 2-D mesh: the USP hybrid, Ulysses
-    inside a node x ring across nodes); kept as its own style so baselines and recipes name what
-    they run.
+    SETTINGS = UPipeAttention.SETTINGS
+
+    @classmethod
+    def _running(cls, options: StyleOptions) -> type[ContextParallelAttention]:
+        if options.chunk_tokens is None:
+            raise TypeError(
+                "UPipeFPDTAttention runs over sequence chunks: give chunk_tokens=N, or construct "
+                "UPipeAttention for stages over the whole sequence"
+            )
+        return cls
+
+
+class UlyssesAttention(_HeadAndRingAxes):
+    """Classic DeepSpeed-Ulysses: every head in one stage (UPipe's stage loop with U =
+    n_heads).
+
+    Same contract and layout as ``UPipeAttention`` (on a 2-D mesh: the USP hybrid, Ulysses
+    inside a node x ring across nodes); its own style so baselines and recipes name what they
+    run. Keyword arguments: ``ring_degree`` and the kernels', as for ``UPipeAttention``.
     """
 
     Options = UlyssesOptions
-
-    def __init__(
-        self,
-        *,
-        ring_degree: int | None = None,
-        backend: str = "auto",
-        kernel_device: str | None = None,
-        keep_attention: KeptAttention | None = None,
-    ) -> None:
-        self._configure(
-            UlyssesOptions(),
-            ring_degree=ring_degree,
-            backend=backend,
-            kernel_device=kernel_device,
-            keep_attention=keep_attention,
-        )
 
 
 class RingAttention(ContextParallelAttention):
@@ -591,7 +636,7 @@ class RingAttention(ContextParallelAttention):
         return _Axes("", 1, _group_name(mesh, 0), mesh.size(), mesh.get_local_rank())
 
 
-class FPDTAttention(UPipeAttention):
+class FPDTAttention(_ChunkedSequence):
     """FPDT (arXiv 2408.16978): Ulysses attention over sequence chunks, earlier K/V on the host.
 
     Each rank's shard is ``ceil(S / chunk_tokens)`` chunks in FPDT's chunk-strided layout
@@ -604,7 +649,8 @@ class FPDTAttention(UPipeAttention):
     numerics contract as ``UPipeAttention``.
 
     Keyword Args:
-        chunk_tokens (int): tokens per global chunk (after the all-to-all); at least the CP degree.
+        chunk_tokens (int): tokens per global chunk (after the all-to-all); at least the CP degree
+            (default: the FPDT paper's, ``style_options.FPDT_PAPER_CHUNK_TOKENS``).
         backend, kernel_device: the local attention kernel, as for ``UPipeAttention``.
         keep_attention: attention kept for the recompute, as for ``UPipeAttention``.
         host_device (torch.device): where earlier chunks are parked (pinned on CUDA); the memory
@@ -612,28 +658,6 @@ class FPDTAttention(UPipeAttention):
     """
 
     Options = FPDTOptions
-
-    def __init__(
-        self,
-        *,
-        chunk_tokens: int,
-        backend: str = "auto",
-        kernel_device: str | None = None,
-        keep_attention: KeptAttention | None = None,
-        host_device: torch.device = torch.device("cpu"),
-    ) -> None:
-        self._configure(
-            FPDTOptions(fpdt_chunk_tokens=chunk_tokens),
-            host_device=host_device,
-            backend=backend,
-            kernel_device=kernel_device,
-            keep_attention=keep_attention,
-        )
-
-
-def _chunk_option(chunk_tokens: int | None) -> int:
-    """``chunk_tokens`` (None: no sequence chunks) as UPipe's ``fpdt_chunk_tokens`` (0: none)."""
-    return 0 if chunk_tokens is None else chunk_tokens
 
 
 def _check_attention_module(module: nn.Module) -> None:

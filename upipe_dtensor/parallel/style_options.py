@@ -5,8 +5,10 @@ head-axis degree, U, the sequence chunk) derived from plain numbers.
 
 The config loader, its checks and ``--help``, ``parallelize``, the planner's search axes and the
 torchtitan entry point (``registry.make_style``) all read a style's options from here, through
-the registry; the style classes (``parallel.style``) hold theirs and check them again at
-``parallelize_module`` with the numbers of the real module and mesh. One spelling per default:
+the registry; the style classes (``parallel.style``) generate their constructors' keyword
+arguments from these fields, hold theirs and check them again at ``parallelize_module`` with the
+numbers of the real module and mesh. A new option is one field here (and its check): the
+constructor, ``repr``, the job key and ``--help`` follow. One spelling per default:
 an option left unset (``None`` in Python, absent from a job file) takes its dataclass default,
 whose meaning is written once, here.
 """
@@ -102,10 +104,10 @@ class StyleOptions:
         chunk = self.chunk_tokens
         if chunk is not None and ring > 1:
             raise OptionError(
-                f"sequence chunks (fpdt_chunk_tokens = {chunk}) and a ring axis (ring_degree = "
+                f"sequence chunks (chunk_tokens = {chunk}) and a ring axis (ring_degree = "
                 f"{ring}) cannot be combined: chunk the sequence on one node, or use a ring "
                 "across nodes",
-                "fpdt_chunk_tokens",
+                "chunk_tokens",
                 "ring_degree",
             )
         if chunk is not None and geometry.seq_len is not None and geometry.cp_degree is not None:
@@ -113,8 +115,8 @@ class StyleOptions:
                 chunk_count(geometry.seq_len, geometry.cp_degree, chunk)
             except ValueError as err:
                 raise OptionError(
-                    f"fpdt_chunk_tokens = {chunk}: {err}",
-                    "fpdt_chunk_tokens",
+                    f"chunk_tokens = {chunk}: {err}",
+                    "chunk_tokens",
                     "seq_len",
                     "cp_degree",
                 ) from None
@@ -165,10 +167,10 @@ class UPipeOptions(StyleOptions):
     """U, query heads per stage across the head axis: a multiple of C / ring_degree that divides
     n_heads. Unset: U = C / ring_degree, one head per rank per stage (the least memory); U =
     n_heads is Ulysses."""
-    fpdt_chunk_tokens: int = field(default=0, metadata=SEARCHED)
+    chunk_tokens: int | None = field(default=None, metadata=SEARCHED)
     """UPipe x FPDT: each head stage over sequence chunks of this many tokens (after the
-    all-to-all), earlier chunks' K/V in host memory (the longest contexts); 0 runs each stage over
-    the whole sequence. Not with ring_degree > 1."""
+    all-to-all), earlier chunks' K/V in host memory (the longest contexts); unset runs each stage
+    over the whole sequence. Not with ring_degree > 1."""
     overlap_stages: bool = field(default=False, metadata=SEARCHED)
     """Start the next head stage's all-to-alls before this stage's attention and wait for them
     just before their use (exchanges run while attention computes; one more stage's buffers in
@@ -181,19 +183,21 @@ class UPipeOptions(StyleOptions):
         return head_degree if self.heads_per_stage is None else self.heads_per_stage
 
     @property
-    def chunk_tokens(self) -> int | None:
-        return self.fpdt_chunk_tokens or None
-
-    @property
     def overlaps_stages(self) -> bool:
         return self.overlap_stages and self.chunk_tokens is None
 
     def check(self, geometry: Geometry) -> None:
-        if self.fpdt_chunk_tokens < 0:
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise OptionError(
-                f"fpdt_chunk_tokens = {self.fpdt_chunk_tokens} must be >= 0 (0: no sequence "
-                "chunks)",
-                "fpdt_chunk_tokens",
+                f"chunk_tokens = {self.chunk_tokens}: give a positive number of tokens per "
+                "sequence chunk, or leave chunk_tokens out for none",
+                "chunk_tokens",
+            )
+        if self.heads_per_stage is not None and self.heads_per_stage < 1:
+            raise OptionError(
+                f"heads_per_stage = {self.heads_per_stage}: give a positive U (a multiple of the "
+                "head-axis degree that divides n_heads), or leave it out for U = C",
+                "heads_per_stage",
             )
         super().check(geometry)
 
@@ -210,24 +214,20 @@ class FPDTOptions(StyleOptions):
 
     refusal_hints = {
         "heads_per_stage": "FPDT runs all heads per chunk, as published; for UPipe x FPDT use "
-        "cp_style = 'upipe' with fpdt_chunk_tokens > 0",
+        "cp_style = 'upipe' with chunk_tokens",
     }
 
-    fpdt_chunk_tokens: int = FPDT_PAPER_CHUNK_TOKENS
+    chunk_tokens: int | None = FPDT_PAPER_CHUNK_TOKENS
     """Tokens per sequence chunk after the all-to-all, earlier chunks' K/V waiting in host memory;
     at least the cp degree (the default is the FPDT paper's)."""
 
-    @property
-    def chunk_tokens(self) -> int | None:
-        return self.fpdt_chunk_tokens
-
     def check(self, geometry: Geometry) -> None:
-        if self.fpdt_chunk_tokens < 1:
+        if self.chunk_tokens is None or self.chunk_tokens < 1:
             raise OptionError(
-                f"fpdt_chunk_tokens = {self.fpdt_chunk_tokens}: FPDT always runs in sequence "
-                f"chunks; give a positive number of tokens (at least the cp degree), or leave it "
-                f"unset for the paper's {FPDT_PAPER_CHUNK_TOKENS}",
-                "fpdt_chunk_tokens",
+                f"chunk_tokens = {self.chunk_tokens}: FPDT always runs in sequence chunks; give "
+                f"a positive number of tokens (at least the cp degree), or leave it out for the "
+                f"paper's {FPDT_PAPER_CHUNK_TOKENS}",
+                "chunk_tokens",
             )
         super().check(geometry)
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import textwrap
 import time
 from collections.abc import Callable
@@ -118,9 +119,7 @@ def _setting(name: str, values: tuple, key: str, show: Callable[[Any], str]) -> 
 
 def _chunks(config: JobConfig, count: int) -> JobConfig:
     seq_len = config.training.seq_len
-    return _replace(
-        config, "parallelism", fpdt_chunk_tokens=-(-seq_len // count) if count > 1 else 0
-    )
+    return _replace(config, "parallelism", chunk_tokens=-(-seq_len // count) if count > 1 else None)
 
 
 def _kept_layers(config: JobConfig, skip_first: int) -> JobConfig:
@@ -199,7 +198,7 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
     )
     if "heads_per_stage" not in searched:
         found["heads_per_stage"] = not_upipe
-    if "fpdt_chunk_tokens" not in searched:
+    if "chunk_tokens" not in searched:
         found["sequence_chunks"] = not_upipe
     elif parallelism.ring_degree > 1:
         found["sequence_chunks"] = "sequence chunks do not combine with a ring across nodes"
@@ -208,7 +207,7 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         found["sequence_chunks"] = Knob(
             "sequence_chunks",
             counts,
-            ("parallelism.fpdt_chunk_tokens",),
+            ("parallelism.chunk_tokens",),
             _chunks,
             lambda n: f"{n} chunks" if n > 1 else "no chunks",
         )
@@ -312,7 +311,7 @@ def on_world(config: JobConfig, world: int, gpus_per_node: int) -> JobConfig:
                 f"the {args.n_heads} query / {args.n_kv_heads or args.n_heads} KV heads "
                 f"of flavor {config.model.flavor!r} do not split over {heads_axis} ranks"
             )
-    on_ring = {"fpdt_chunk_tokens": None} if ring > 1 else {}  # chunks stay on one node
+    on_ring = {"chunk_tokens": None} if ring > 1 else {}  # chunks stay on one node
     return _replace(
         config,
         "parallelism",
@@ -599,6 +598,29 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
+def _extended(config: JobConfig, recipe: Path, keys: list[str]) -> tuple[str, list[str]]:
+    """The file a printed recipe extends (relative to ``recipe``'s folder, where it is saved;
+    "" for none) and the keys it must set again besides ``keys``: the given recipe itself,
+    unless a key the search unsets (a style option now at its default, e.g. sequence chunks on a
+    ring) is set in it or a file it extends. A file cannot unset a key it inherits, so the
+    printed recipe then extends the base of the first file that sets one, and sets again every
+    other key that file and those after it set."""
+    files = list(config.files)
+    unset = [key for key in keys if config.value(key) is None and config.sources.get(key) in files]
+    if not unset:
+        return recipe.name, []
+    first = min(files.index(config.sources[key]) for key in unset)
+    again = [
+        key
+        for key, source in config.sources.items()
+        if source in files[first:] and key not in keys and config.value(key) is not None
+    ]
+    if first == 0:
+        return "", again
+    base = Path(files[first - 1]).resolve()
+    return os.path.relpath(base, recipe.resolve().parent), again
+
+
 def recipe_toml(result: MaxContext, command: str) -> str:
     """A recipe that extends the given one with the length and settings found, the plan's numbers
     in comments (a file to save next to the given recipe), then the plan's breakdown as comments."""
@@ -609,8 +631,8 @@ def recipe_toml(result: MaxContext, command: str) -> str:
         "parallelism.data_parallel_shard_degree",
         "parallelism.ring_degree",
     ]
-    if config.parallelism.style.takes("fpdt_chunk_tokens"):
-        keys.append("parallelism.fpdt_chunk_tokens")  # ``on_world`` unsets it on a ring
+    if config.parallelism.style.takes("chunk_tokens"):
+        keys.append("parallelism.chunk_tokens")  # ``on_world`` unsets it on a ring
     keys += [key for knob in result.searched for key in knob.keys if key not in keys]
     keys += [
         key
@@ -631,6 +653,10 @@ def recipe_toml(result: MaxContext, command: str) -> str:
                 else f"{name} = {_toml_value(value)}"
             )
     recipe = Path(config.config_file or "recipe.toml")
+    extends, inherited = _extended(config, recipe, keys)
+    for key in inherited:
+        section, name = key.split(".")
+        sections.setdefault(section, []).append(f"{name} = {_toml_value(config.value(key))}")
     nodes = -(-plan.world_size // budget.gpus_per_node)
     goal = (
         "The fastest settings the planner finds"
@@ -668,14 +694,21 @@ def recipe_toml(result: MaxContext, command: str) -> str:
             if result.not_searched
             else []
         ),
-        f"Save it next to {recipe} ('extends' is relative to this file).",
+        f"Save it next to {recipe} ('extends' is relative to this file)."
+        + (
+            f" It extends {recipe}'s base and sets its keys again, as a file cannot unset a key "
+            "it inherits."
+            if extends != recipe.name
+            else ""
+        ),
     ]
     lines = [
         f"# {line}"
         for paragraph in header
         for line in textwrap.wrap(paragraph, 98, break_on_hyphens=False)
     ]
-    lines.append(f"extends = {_toml_value(recipe.name)}")
+    if extends:
+        lines.append(f"extends = {_toml_value(extends)}")
     for section in (f.name for f in dataclasses.fields(JobConfig)):
         if section in sections:
             lines += ["", f"[{section}]", *sections[section]]

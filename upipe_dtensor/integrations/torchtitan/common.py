@@ -14,7 +14,7 @@ from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalanc
 
 from upipe_dtensor.kernels.backends import BACKENDS
 from upipe_dtensor.parallel import ContextParallelAttention
-from upipe_dtensor.parallel.registry import STYLES, make_style, option_types
+from upipe_dtensor.parallel.registry import STYLES, make_style, option_types, style_name
 from upipe_dtensor.parallel.style_options import Geometry, OptionError
 
 
@@ -156,14 +156,9 @@ def check_load_balancer(
     expected = _spans(style.shard_positions(seq_len, 0, cp_degree))
     raise ValueError(
         f"[parallelism] context_parallel_load_balancer = {balancer!r} {fed}, but [upipe] "
-        f"cp_style = {_style_name(style)!r} expects rank 0 to hold tokens {expected} of "
+        f"cp_style = {style_name(style)!r} expects rank 0 to hold tokens {expected} of "
         f"{seq_len} (RoPE would stay right, the causal order would be wrong): {fix}"
     )
-
-
-def _style_name(style: ContextParallelAttention) -> str:
-    """The ``cp_style`` name of ``style``'s class."""
-    return next(name for name, spec in STYLES.items() if type(style) is spec.style)
 
 
 def make_cp_style(

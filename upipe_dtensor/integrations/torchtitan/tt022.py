@@ -16,7 +16,7 @@ own extension flags (or the same keys in a job file: ``train_configs/torchtitan/
 
 ``--job.custom_config_module`` adds the ``[upipe]`` section (``UPipe`` below: ``cp_style``, the
 styles' options under their ``[parallelism]`` names such as ``heads_per_stage`` and
-``fpdt_chunk_tokens``, ``attention_backend``, the tiled MLP and RMSNorm), checked by the same
+``chunk_tokens``, ``attention_backend``, the tiled MLP and RMSNorm), checked by the same
 function as a job file of this project (``parallel.registry.make_style``). Without it the
 section's defaults apply: UPipe with U = C.
 
