@@ -42,8 +42,10 @@ compared at the same global positions):
 Run: ``python benchmarks/peer_attention.py`` (C = 4, float32, the three geometries of
 docs/memory-stack.md: MHA 32/32 heads of 16 at S = 16K, and GQA 32/8 heads of 64 and of 128,
 Llama3-8B's, at S = 8K; about 40 minutes on 2 cores); ``--geometry H/KV/d/S`` (repeatable) for
-others, ``--rows`` to pick rows, ``--json`` for machine output. The peers come with ``pip install
--e ".[peers]"``; one that is not installed is skipped with one line.
+others, ``--rows`` to pick rows, ``--json`` for machine output, ``--table JSON`` to print the
+tables of a stored report (``benchmarks/results/peer_attention.json``, the docs' tables). The
+peers come with ``pip install -e ".[peers]"``; one that is not installed is skipped with one
+line.
 """
 
 from __future__ import annotations
@@ -446,7 +448,14 @@ def main() -> None:
         "--rows", nargs="+", help="only these rows (names as printed, or deepspeed, yunchang)"
     )
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument(
+        "--table", metavar="JSON", help="print the tables of a stored --json report (no run)"
+    )
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as stored:
+            print_tables(json.load(stored))
+        return
     check_tracker()
     peers = []
     for row in PEER_ROWS:
@@ -465,16 +474,33 @@ def main() -> None:
         start = time.perf_counter()
         reports = run(geometry, rows, args.cp, args.dtype)
         floor = floors(geometry, args.cp, DTYPES[args.dtype])
-        results.append({"geometry": asdict(geometry), "floor": floor, "rows": reports})
+        results.append(
+            {
+                "geometry": asdict(geometry),
+                "cp": args.cp,
+                "dtype": args.dtype,
+                "seconds": round(time.perf_counter() - start),
+                "floor": floor,
+                "rows": reports,
+            }
+        )
         if not args.json:
-            print(
-                f"\n{geometry}, C = {args.cp} gloo ranks, {args.dtype}: MiB above the level "
-                f"before the forward, forward and backward in one window, max over ranks "
-                f"({time.perf_counter() - start:.0f} s)\n"
-            )
-            print(markdown_table(reports, floor))
+            print_tables(results[-1:])
     if args.json:
         print(json.dumps(results, indent=2))
+
+
+def print_tables(results: list[dict]) -> None:
+    """Per geometry: a heading line, then ``markdown_table``."""
+    for result in results:
+        geometry = Geometry(**result["geometry"])
+        print(
+            f"\n{geometry}, C = {result['cp']} gloo ranks, {result['dtype']}: MiB above the level "
+            "before the forward, forward and backward in one window, max over ranks"
+            + (f" ({result['seconds']} s)" if "seconds" in result else "")
+            + "\n"
+        )
+        print(markdown_table(result["rows"], result["floor"]))
 
 
 if __name__ == "__main__":
