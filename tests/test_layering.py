@@ -5,12 +5,13 @@ type-only (``if TYPE_CHECKING:``) imports all count as edges, so neither a funct
 nor an annotation can hide a cycle (config/schema <-> parallel/registry hid behind one of each).
 ``LAYERS`` is the order, lowest first; a module may import its own layer and those below it,
 never one above, except that an import only for annotations may name a higher layer (when it
-closes no cycle: the cycle test sees it). The ``jobs``
-package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, the trainer's
-``preflight``, ``resume``, ``optimizer``, ``export`` and its loop ``trainer``), which the planner
-rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
-gpu_check), which may ask the planner (``gpu_check`` prints the plan beside the measured step).
-``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
+closes no cycle: the cycle test sees it). The training job (``train``: ``setup``, ``build``,
+``parallelize``, the trainer's ``preflight``, ``resume``, ``optimizer``, ``export`` and its loop
+``trainer``) sits below ``planning``, which rehearses it on fake ranks; the GPU verification tools
+(``verify``: ``gpu_check``, ``stand_in``, ``kernel_rates``, ``evidence``) and the user commands
+(``commands``: evaluate, retrieval, convert, and the ``python -m`` modules at the package top)
+sit above it, since they may ask the planner (``gpu_check`` prints the plan beside the measured
+step). ``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
 
 The design notes' "Layout" section (``docs/design.md``) must name every module file, one line
 each; the last test compares it with the tree.
@@ -39,38 +40,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checkpointing", ("checkpointing",)),
     ("config", ("config",)),
     ("data", ("data",)),
-    (
-        "job assembly",
-        (
-            "jobs",
-            "jobs.setup",
-            "jobs.build",
-            "jobs.parallelize",
-            "jobs.preflight",
-            "jobs.resume",
-            "jobs.optimizer",
-            "jobs.export",
-            "jobs.trainer",
-        ),
-    ),
+    ("training job", ("train",)),
     ("planning", ("planning",)),
+    ("verification tools", ("verify",)),
     (
         "commands",
-        (
-            "jobs.eval_common",
-            "jobs.evaluate",
-            "jobs.retrieval",
-            "jobs.convert",
-            "jobs.gpu_check",
-            "jobs.stand_in",
-            "jobs.kernel_rates",
-            "jobs.evidence",
-            "plan",
-            "evaluate",
-            "convert",
-            "gpu_check",
-            "data_report",
-        ),
+        ("commands", "plan", "evaluate", "convert", "gpu_check", "data_report", "tokenize"),
     ),
     ("integrations", ("integrations",)),
     ("package exports", ("",)),
@@ -197,19 +172,19 @@ def test_graph_sees_imports() -> None:
     TYPE_CHECKING, marked as such (checked on a snippet, so a parser bug cannot pass the tests
     below vacuously)."""
     graph = import_graph()
-    assert "upipe_dtensor.jobs.build" in graph["upipe_dtensor.jobs.eval_common"]
+    assert "upipe_dtensor.train.build" in graph["upipe_dtensor.commands.eval_common"]
     source = (
         "from typing import TYPE_CHECKING\n"
         "from . import schema\n"
         "if TYPE_CHECKING:\n"
-        "    from upipe_dtensor.jobs import build\n"
+        "    from upipe_dtensor.train import build\n"
         "def f():\n"
         "    from upipe_dtensor.kernels import probe\n"
     )
     imported = _imported_names("upipe_dtensor.config.loader", source, package=False)
     assert ("upipe_dtensor.config.schema", 2, False) in imported
     assert ("upipe_dtensor.kernels.probe", 6, False) in imported
-    assert ("upipe_dtensor.jobs.build", 4, True) in imported
+    assert ("upipe_dtensor.train.build", 4, True) in imported
 
 
 def test_no_import_cycles() -> None:
@@ -273,3 +248,28 @@ def test_design_layout_names_every_module() -> None:
         f'docs/design.md "Layout": missing {missing}, naming files that do not exist {extra}, '
         f"named twice {repeated}"
     )
+
+
+def test_console_scripts_are_the_commands() -> None:
+    """Each ``[project.scripts]`` entry point names the ``main`` of a ``python -m`` module at the
+    package top, a callable taking the arguments (None: the process's) and returning an exit
+    code; and every such module has its entry point."""
+    import importlib
+    import inspect
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    commands = {"plan", "evaluate", "convert", "gpu_check", "data_report", "tokenize"}
+    assert {f"upipe-{name.replace('_', '-')}" for name in commands} == set(scripts)
+    for script, target in scripts.items():
+        module_name, _, attribute = target.partition(":")
+        assert module_name.removeprefix("upipe_dtensor.") in commands, (script, target)
+        main = getattr(importlib.import_module(module_name), attribute)
+        signature = inspect.signature(main)
+        assert list(signature.parameters) == ["argv"], (script, signature)
+        assert signature.parameters["argv"].default is None, (script, signature)
+        assert signature.return_annotation in (int, "int"), (script, signature)

@@ -2,13 +2,21 @@
 style against the unsharded model in bf16 and one step of the 8B shape beside the planner's
 prediction, printed as one table to paste into an issue.
 
-The command lives in ``upipe_dtensor.jobs.gpu_check``; this module is its name on the command line.
+The command lives in ``upipe_dtensor.verify.gpu_check``;
+this module is its name on the command line, and
+``main`` is the ``upipe-gpu-check`` console script's (``[project.scripts]``).
 """
 
 import sys
 
-from upipe_dtensor.jobs.gpu_check import main
 from upipe_dtensor.runtime.errors import end_process
+from upipe_dtensor.verify.gpu_check import main as _command
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command on ``argv`` (the process's arguments when None); returns its exit code."""
+    return _command(sys.argv[1:] if argv is None else argv)
+
 
 if __name__ == "__main__":
-    end_process(main(sys.argv[1:]))
+    end_process(main())

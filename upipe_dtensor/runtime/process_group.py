@@ -11,7 +11,7 @@ Several ranks on one GPU (``gpu_check``'s numerics on a machine with fewer GPUs 
 use NCCL, which refuses two ranks on one device ("Duplicate GPU detected"): they run gloo
 (``runtime.group_backends`` says what gloo does with CUDA tensors).
 
-The trainer (``jobs.build``), ``gpu_check`` and the planner all take the string from
+The trainer (``train.build``), ``gpu_check`` and the planner all take the string from
 ``process_group_backend``; the planner checks every collective of the traced step against it
 (``planning.rehearsal``, ``group_backends.backend_device_types``), so a host collective without a
 CPU backend is refused in the plan.

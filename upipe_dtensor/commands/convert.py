@@ -41,11 +41,11 @@ from upipe_dtensor.checkpointing.weights import (
 )
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, parse_args
 from upipe_dtensor.data.loader import job_tokenizer
-from upipe_dtensor.jobs.build import check_tokenizer_fits
-from upipe_dtensor.jobs.parallelize import DTYPES
 from upipe_dtensor.models import LongContextModel, family_of
 from upipe_dtensor.models.hf_config import args_from_hf, model_args, read_hf_config
 from upipe_dtensor.runtime.errors import run_main
+from upipe_dtensor.train.build import check_tokenizer_fits
+from upipe_dtensor.train.parallelize import DTYPES
 
 logger = logging.getLogger(__name__)
 
