@@ -24,9 +24,9 @@ from upipe_dtensor.runtime.metrics import (
     JsonlSink,
     MetricsLogger,
     WandbSink,
-    open_sinks,
     step_line,
 )
+from upipe_dtensor.train.trainer import open_sinks
 
 pytestmark = pytest.mark.unit
 

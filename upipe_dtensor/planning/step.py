@@ -49,10 +49,10 @@ from upipe_dtensor.planning.timeline import StepTimeline, expand
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker, Peak
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
 from upipe_dtensor.runtime.group_backends import backend_device_types
-from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
+from upipe_dtensor.runtime.process_group import process_group_backend
 from upipe_dtensor.train.build import Placement
 from upipe_dtensor.train.parallelize import describe_cp_style
-from upipe_dtensor.train.setup import build_meshes
+from upipe_dtensor.train.setup import build_meshes, holds_host_tensors
 from upipe_dtensor.train.trainer import Trainer
 
 GiB = 2**30
