@@ -337,8 +337,9 @@ def test_design_layout_names_every_module() -> None:
 
 def test_console_scripts_are_the_commands() -> None:
     """Each ``[project.scripts]`` entry point names the ``main`` of a ``python -m`` module at the
-    package top, a callable taking the arguments (None: the process's) and returning an exit
-    code; and every such module has its entry point."""
+    package top, a callable taking the arguments and returning the exit code (None: the
+    process's arguments, and the process ends with the code, as under ``python -m``); and every
+    such module has its entry point."""
     import importlib
     import inspect
 

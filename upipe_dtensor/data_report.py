@@ -1,8 +1,7 @@
 """``python -m upipe_dtensor.data_report``: the training data mixture as the job will train on it
 (tokens per source before and after upsampling, document lengths), before training.
 
-The command lives in ``upipe_dtensor.data.report``;
-this module is its name on the command line, and
+The command lives in ``upipe_dtensor.data.report``; this module is its name on the command line, and
 ``main`` is the ``upipe-data-report`` console script's (``[project.scripts]``).
 """
 
@@ -13,9 +12,13 @@ from upipe_dtensor.runtime.errors import end_process
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command on ``argv`` (the process's arguments when None); returns its exit code."""
-    return _command(sys.argv[1:] if argv is None else argv)
+    """The command on ``argv``; returns its exit code. Without ``argv`` it is the process's
+    command (``python -m``, the console script): it reads ``sys.argv`` and ends the process with
+    the code through ``end_process``, as every entry point that may run ranks does."""
+    if argv is not None:
+        return _command(argv)
+    end_process(_command(sys.argv[1:]))
 
 
 if __name__ == "__main__":
-    end_process(main())
+    main()
