@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
             + config_help()
         )
         return 0
-    from upipe_dtensor.jobs.trainer import Trainer  # after --help: importing torch takes seconds
+    from upipe_dtensor.train.trainer import Trainer  # after --help: importing torch takes seconds
 
     def train() -> None:
         config = parse_args(argv)

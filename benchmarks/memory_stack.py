@@ -47,8 +47,8 @@ from timing_overrides import TIMING_RUN
 from torch.profiler import record_function
 
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.models import build_llama3
+from upipe_dtensor.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 STEP, FORWARD = "bench::step", "bench::forward"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Turn a lent GPU's minutes into evidence, in one call (upipe_dtensor/jobs/evidence.py):
+# Turn a lent GPU's minutes into evidence, in one call (upipe_dtensor/verify/evidence.py):
 #
 #   bash scripts/gpu_evidence.sh OUTDIR                 # on the GPU machine
 #   bash scripts/gpu_evidence.sh --device cpu OUTDIR    # the same parts on small shapes (CI)
@@ -32,4 +32,4 @@ if [ "$device" = cuda ] && compgen -G ".whl/*.whl" >/dev/null; then
     fi
 fi
 export PYTHONPATH=$pythonpath${PYTHONPATH:+:$PYTHONPATH}
-exec "$python" -m upipe_dtensor.jobs.evidence --device "$device" "$out" "$@"
+exec "$python" -m upipe_dtensor.verify.evidence --device "$device" "$out" "$@"

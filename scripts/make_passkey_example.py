@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from upipe_dtensor.jobs.retrieval import TASKS, Template
+from upipe_dtensor.commands.retrieval import TASKS, Template
 
 FILLER = [
     "The grass is green.",

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.runtime.errors import end_process
+from upipe_dtensor.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

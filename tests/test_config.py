@@ -266,7 +266,7 @@ def test_train_py_help_no_config_and_no_torchrun(capsys, monkeypatch) -> None:
 
 
 def test_tokenizer_folder_without_tokenizer_json_is_a_config_error(tmp_path: Path) -> None:
-    from upipe_dtensor.jobs.trainer import Trainer
+    from upipe_dtensor.train.trainer import Trainer
 
     config = parse_args(
         [
@@ -288,7 +288,7 @@ def test_tokenizer_folder_without_tokenizer_json_is_a_config_error(tmp_path: Pat
 
 def _bad_jobs_fail_before_the_model(rank: int, world: int, tmp: str) -> None:
     """Each case is a ConfigError on every rank (also one only rank 1 sees), before the model."""
-    import upipe_dtensor.jobs.trainer as trainer_module
+    import upipe_dtensor.train.trainer as trainer_module
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built")

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from upipe_dtensor.config import ConfigError, parse_args
-from upipe_dtensor.jobs.build import set_up_job
 from upipe_dtensor.kernels import backends
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.planning.step import plan_job
 from upipe_dtensor.runtime.peak_flops import peak_flops
+from upipe_dtensor.train.build import set_up_job
 
 pytestmark = pytest.mark.unit
 

@@ -365,7 +365,7 @@ def _warned(tmp_path: Path, caplog, *overrides: str, job: str = "") -> list[str]
     """The warnings the trainer's checks before any process group log for the debug job (cp 1,
     one process) with these overrides, or for ``job``'s TOML extending it."""
     from upipe_dtensor.config import parse_args
-    from upipe_dtensor.jobs.preflight import check_before_process_group
+    from upipe_dtensor.train.preflight import check_before_process_group
 
     config_file = str(ASSETS.parent / "train_configs" / "debug_model.toml")
     if job:

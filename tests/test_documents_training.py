@@ -73,7 +73,7 @@ def _config(dump: Path, cp: int, corpus: str, extra: list[str]):
 
 
 def _train_each(rank: int, world: int, tmp: str, corpus: str, options: dict, out: str) -> None:
-    from upipe_dtensor.jobs.trainer import Trainer
+    from upipe_dtensor.train.trainer import Trainer
 
     losses = {
         name: Trainer(_config(Path(tmp) / name, world, corpus, extra)).train()

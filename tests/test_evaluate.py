@@ -87,7 +87,7 @@ def _damage(snapshot: Path, *, truncate: bool) -> None:
 
 def _train_then_evaluate(rank: int, world: int, tmp: str, out: str) -> None:
     from upipe_dtensor.config import ConfigError, parse_args
-    from upipe_dtensor.jobs.trainer import Trainer
+    from upipe_dtensor.train.trainer import Trainer
 
     tmp_path = Path(tmp)
     job = _write_job(tmp_path)

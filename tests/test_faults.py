@@ -26,7 +26,7 @@ import pytest
 from upipe_dtensor import plan
 from upipe_dtensor.checkpointing.job_lock import JobLock
 from upipe_dtensor.config import CP_STYLES, parse_args
-from upipe_dtensor.jobs.optimizer import lr_lambda
+from upipe_dtensor.train.optimizer import lr_lambda
 
 pytestmark = pytest.mark.e2e
 

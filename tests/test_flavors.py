@@ -11,9 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.jobs.build import Placement
-from upipe_dtensor.jobs.setup import build_meshes
-from upipe_dtensor.jobs.trainer import Trainer
+from upipe_dtensor.train.build import Placement
+from upipe_dtensor.train.setup import build_meshes
+from upipe_dtensor.train.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import ConfigError, parse_args
-from upipe_dtensor.jobs import build, gpu_check
 from upipe_dtensor.kernels import attention, backends, probe
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.kernels.document_blocks import varlen_seqlens
@@ -38,6 +37,8 @@ from upipe_dtensor.planning.rehearsal import GpuRehearsal
 from upipe_dtensor.planning.step import plan_job
 from upipe_dtensor.runtime.group_backends import backend_device_types
 from upipe_dtensor.runtime.process_group import process_group_backend
+from upipe_dtensor.train import build
+from upipe_dtensor.verify import gpu_check
 
 pytestmark = pytest.mark.unit
 

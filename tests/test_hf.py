@@ -17,9 +17,9 @@ from hf_tiny import SEQ_LEN, load_reference, random_tokens, safetensors_weights,
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from upipe_dtensor import convert
+from upipe_dtensor.commands.evaluate import position_loss_sums
 from upipe_dtensor.config import ConfigError, check_job, parse_args
-from upipe_dtensor.jobs.build import build_parallel_model, load_initial_weights
-from upipe_dtensor.jobs.evaluate import position_loss_sums
+from upipe_dtensor.train.build import build_parallel_model, load_initial_weights
 
 pytestmark = pytest.mark.e2e
 
@@ -240,7 +240,7 @@ def test_flavor_disagreeing_with_config_json_is_a_config_error(
 
 
 def _train_on_ranks(rank: int, world: int, dump: str, hf: str, out: str) -> None:
-    from upipe_dtensor.jobs.trainer import Trainer
+    from upipe_dtensor.train.trainer import Trainer
 
     trainer = Trainer(
         _job(

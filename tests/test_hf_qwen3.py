@@ -16,9 +16,9 @@ from test_hf import _job as hf_job
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from upipe_dtensor import convert
+from upipe_dtensor.commands.evaluate import position_loss_sums
 from upipe_dtensor.config import ConfigError, check_job
-from upipe_dtensor.jobs.build import build_parallel_model, load_initial_weights
-from upipe_dtensor.jobs.evaluate import position_loss_sums
+from upipe_dtensor.train.build import build_parallel_model, load_initial_weights
 
 pytestmark = pytest.mark.e2e
 

@@ -24,15 +24,15 @@ from upipe_dtensor.runtime.metrics import (
     JsonlSink,
     MetricsLogger,
     WandbSink,
-    open_sinks,
     step_line,
 )
+from upipe_dtensor.train.trainer import open_sinks
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "train_configs/debug_model.toml")
-LOG = logging.getLogger("upipe_dtensor.jobs.trainer")  # any module of the package
+LOG = logging.getLogger("upipe_dtensor.train.trainer")  # any module of the package
 
 
 @pytest.fixture

@@ -4,13 +4,20 @@ The graph is static (``ast`` over ``upipe_dtensor/**/*.py``): module-level, func
 type-only (``if TYPE_CHECKING:``) imports all count as edges, so neither a function-level import
 nor an annotation can hide a cycle (config/schema <-> parallel/registry hid behind one of each).
 ``LAYERS`` is the order, lowest first; a module may import its own layer and those below it,
-never one above, except that an import only for annotations may name a higher layer (when it
-closes no cycle: the cycle test sees it). The ``jobs``
-package holds two layers: the assembly (``setup``, ``build``, ``parallelize``, the trainer's
-``preflight``, ``resume``, ``optimizer``, ``export`` and its loop ``trainer``), which the planner
-rehearses on fake ranks, and the commands (evaluate, retrieval, convert,
-gpu_check), which may ask the planner (``gpu_check`` prints the plan beside the measured step).
-``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
+never one above, not even for annotations. ``checkpointing`` sits above ``config``: its records
+and snapshot choices read the job's config, and the config's checks ask the folders' files
+(``models.hf_config``), not ``checkpointing``. The training job (``train``: ``setup``, ``build``,
+``parallelize``, the trainer's ``preflight``, ``resume``, ``optimizer``, ``export`` and its loop
+``trainer``) sits below ``planning``, which rehearses it on fake ranks; the GPU verification tools
+(``verify``: ``gpu_check``, ``stand_in``, ``kernel_rates``, ``evidence``) and the user commands
+(``commands``: evaluate, retrieval, convert, and the ``python -m`` modules at the package top)
+sit above it, since they may ask the planner (``gpu_check`` prints the plan beside the measured
+step). ``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
+
+Cycles are refused twice: between modules, and between packages (each module mapped to its
+top-level sub-package of ``upipe_dtensor``; the modules at the package top are each their own),
+so two packages never import each other, even through a chain of modules that is no module
+cycle.
 
 The design notes' "Layout" section (``docs/design.md``) must name every module file, one line
 each; the last test compares it with the tree.
@@ -36,41 +43,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory", ("memory",)),
     ("parallel", ("parallel",)),
     ("models", ("models",)),
-    ("checkpointing", ("checkpointing",)),
     ("config", ("config",)),
+    ("checkpointing", ("checkpointing",)),
     ("data", ("data",)),
-    (
-        "job assembly",
-        (
-            "jobs",
-            "jobs.setup",
-            "jobs.build",
-            "jobs.parallelize",
-            "jobs.preflight",
-            "jobs.resume",
-            "jobs.optimizer",
-            "jobs.export",
-            "jobs.trainer",
-        ),
-    ),
+    ("training job", ("train",)),
     ("planning", ("planning",)),
+    ("verification tools", ("verify",)),
     (
         "commands",
-        (
-            "jobs.eval_common",
-            "jobs.evaluate",
-            "jobs.retrieval",
-            "jobs.convert",
-            "jobs.gpu_check",
-            "jobs.stand_in",
-            "jobs.kernel_rates",
-            "jobs.evidence",
-            "plan",
-            "evaluate",
-            "convert",
-            "gpu_check",
-            "data_report",
-        ),
+        ("commands", "plan", "evaluate", "convert", "gpu_check", "data_report", "tokenize"),
     ),
     ("integrations", ("integrations",)),
     ("package exports", ("",)),
@@ -197,19 +178,19 @@ def test_graph_sees_imports() -> None:
     TYPE_CHECKING, marked as such (checked on a snippet, so a parser bug cannot pass the tests
     below vacuously)."""
     graph = import_graph()
-    assert "upipe_dtensor.jobs.build" in graph["upipe_dtensor.jobs.eval_common"]
+    assert "upipe_dtensor.train.build" in graph["upipe_dtensor.commands.eval_common"]
     source = (
         "from typing import TYPE_CHECKING\n"
         "from . import schema\n"
         "if TYPE_CHECKING:\n"
-        "    from upipe_dtensor.jobs import build\n"
+        "    from upipe_dtensor.train import build\n"
         "def f():\n"
         "    from upipe_dtensor.kernels import probe\n"
     )
     imported = _imported_names("upipe_dtensor.config.loader", source, package=False)
     assert ("upipe_dtensor.config.schema", 2, False) in imported
     assert ("upipe_dtensor.kernels.probe", 6, False) in imported
-    assert ("upipe_dtensor.jobs.build", 4, True) in imported
+    assert ("upipe_dtensor.train.build", 4, True) in imported
 
 
 def test_no_import_cycles() -> None:
@@ -239,8 +220,87 @@ def test_every_module_has_a_layer() -> None:
     assert not unplaced, f"modules in no entry of LAYERS (tests/test_layering.py): {unplaced}"
 
 
+def package_of(module: str) -> str:
+    """The top-level sub-package of ``upipe_dtensor`` holding ``module`` (a module at the package
+    top is its own; "" is the package's ``__init__``)."""
+    return module.removeprefix("upipe_dtensor").removeprefix(".").partition(".")[0]
+
+
+def package_graph() -> tuple[dict[str, dict[str, int]], dict[tuple[str, str], list[str]]]:
+    """package -> {imported package: number of imports}, and for each such edge the imports
+    that make it ("path:line imports module")."""
+    modules = module_files()
+    graph: dict[str, dict[str, int]] = {package_of(module): {} for module in modules}
+    imports: dict[tuple[str, str], list[str]] = {}
+    for source, edges in import_graph().items():
+        for target, line in edges.items():
+            edge = package_of(source), package_of(target)
+            if edge[0] == edge[1]:
+                continue
+            graph[edge[0]][edge[1]] = graph[edge[0]].get(edge[1], 0) + 1
+            where = modules[source].relative_to(ROOT)
+            imports.setdefault(edge, []).append(f"{where}:{line} imports {target}")
+    return graph, imports
+
+
+def shortest_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """A shortest cycle through the first node of ``component`` (a strongly connected one),
+    as its nodes in order (breadth first)."""
+    start, members = component[0], set(component)
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for target in sorted(graph[node]):
+                if target not in members:
+                    continue
+                if target == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return path[::-1]
+                if target not in parents:
+                    parents[target] = node
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"{component} is not strongly connected")
+
+
+def test_no_package_cycles() -> None:
+    """No two packages import each other, directly or through others; a failure prints one
+    shortest cycle of each knot, with every import of each of its edges (file:line)."""
+    graph, imports = package_graph()
+    found = cycles(graph)
+    described = []
+    for component in found:
+        cycle = shortest_cycle(graph, component)
+        names = [name or "upipe_dtensor" for name in cycle]
+        knot = sorted(name or "upipe_dtensor" for name in component)
+        lines = [f"packages {knot}; one cycle: {' -> '.join([*names, names[0]])}"]
+        for source, target in zip(cycle, [*cycle[1:], cycle[0]]):
+            lines.append(f"  {source or 'upipe_dtensor'} -> {target or 'upipe_dtensor'}:")
+            lines.extend(f"    {where}" for where in imports[source, target])
+        described.append("\n".join(lines))
+    assert not found, "package import cycles:\n" + "\n".join(described)
+
+
+def test_package_cycles_are_found() -> None:
+    """The package cycle test fails on a cycle of packages that no module cycle shows (a.x ->
+    b.y, b.z -> a.w), naming both edges' imports (checked on a made-up graph)."""
+    graph = {"a": {"b": 1}, "b": {"a": 1, "c": 1}, "c": {}}
+    assert cycles(graph) == [["a", "b"]]
+    assert shortest_cycle(graph, ["a", "b"]) == ["a", "b"]
+    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == [["a", "b", "c"]]
+    assert shortest_cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}, ["a", "b", "c"]) == [
+        "a",
+        "b",
+        "c",
+    ]
+
+
 def test_layers_import_downwards() -> None:
-    graph = import_graph(with_type_only=False)
+    graph = import_graph()
     upward = [
         f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} "
         f"({LAYERS[layer_of(target)][0]}) at line {line}"
@@ -273,3 +333,29 @@ def test_design_layout_names_every_module() -> None:
         f'docs/design.md "Layout": missing {missing}, naming files that do not exist {extra}, '
         f"named twice {repeated}"
     )
+
+
+def test_console_scripts_are_the_commands() -> None:
+    """Each ``[project.scripts]`` entry point names the ``main`` of a ``python -m`` module at the
+    package top, a callable taking the arguments and returning the exit code (None: the
+    process's arguments, and the process ends with the code, as under ``python -m``); and every
+    such module has its entry point."""
+    import importlib
+    import inspect
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    commands = {"plan", "evaluate", "convert", "gpu_check", "data_report", "tokenize"}
+    assert {f"upipe-{name.replace('_', '-')}" for name in commands} == set(scripts)
+    for script, target in scripts.items():
+        module_name, _, attribute = target.partition(":")
+        assert module_name.removeprefix("upipe_dtensor.") in commands, (script, target)
+        main = getattr(importlib.import_module(module_name), attribute)
+        signature = inspect.signature(main)
+        assert list(signature.parameters) == ["argv"], (script, signature)
+        assert signature.parameters["argv"].default is None, (script, signature)
+        assert signature.return_annotation in (int, "int"), (script, signature)

@@ -10,7 +10,7 @@ import torch
 from harness import rel_err, run_on_ranks
 
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.jobs.trainer import Trainer
+from upipe_dtensor.train.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
 

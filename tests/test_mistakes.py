@@ -26,6 +26,7 @@ import torch.distributed as dist
 from upipe_dtensor import convert, evaluate, plan
 from upipe_dtensor.checkpointing.model_record import check_model_unchanged, model_record
 from upipe_dtensor.checkpointing.weights import save_dcp_weights, unloaded_hf_weights
+from upipe_dtensor.commands.evaluate import read_tokens
 from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.data.checks import data_changes, data_fingerprint, scan_local_data
 from upipe_dtensor.data.loader import (
@@ -34,12 +35,11 @@ from upipe_dtensor.data.loader import (
     build_tokenizer,
     documents_digest,
 )
-from upipe_dtensor.jobs.build import check_tokenizer_fits
-from upipe_dtensor.jobs.evaluate import read_tokens
-from upipe_dtensor.jobs.trainer import _described
 from upipe_dtensor.models import Llama3
 from upipe_dtensor.models.hf_config import args_from_hf, model_args
 from upipe_dtensor.planning.checkpoint_interval import suggested_interval
+from upipe_dtensor.train.build import check_tokenizer_fits
+from upipe_dtensor.train.trainer import _described
 
 pytestmark = pytest.mark.unit
 

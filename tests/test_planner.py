@@ -19,7 +19,6 @@ import torch
 from harness import run_on_ranks
 
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels import tiling
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.planning.compiled import shared_compiles
@@ -32,6 +31,7 @@ from upipe_dtensor.planning.step import (
     tracked_step,
 )
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
+from upipe_dtensor.train.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
 

@@ -15,12 +15,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor.config import ConfigError, check_job, parse_args
 from upipe_dtensor.data.loader import build_tokenizer
-from upipe_dtensor.jobs.build import Placement, check_tokenizer_fits
-from upipe_dtensor.jobs.setup import build_meshes
-from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import ForwardPlan
 from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.train.build import Placement, check_tokenizer_fits
+from upipe_dtensor.train.setup import build_meshes
+from upipe_dtensor.train.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 

@@ -19,8 +19,8 @@ from harness import run_on_ranks
 from hf_tiny import load_reference, write_tiny_hf_llama
 
 from upipe_dtensor import evaluate
-from upipe_dtensor.jobs.evaluate import load_job_model
-from upipe_dtensor.jobs.retrieval import Prompt, TaskRequest, prepare_prompts, score_prompts
+from upipe_dtensor.commands.evaluate import load_job_model
+from upipe_dtensor.commands.retrieval import Prompt, TaskRequest, prepare_prompts, score_prompts
 
 pytestmark = pytest.mark.e2e
 

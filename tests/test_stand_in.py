@@ -1,4 +1,4 @@
-"""What the stand-in run (one device as rank 0 of a recipe, ``jobs/stand_in.py``) relies on, in
+"""What the stand-in run (one device as rank 0 of a recipe, ``verify/stand_in.py``) relies on, in
 one process: the fake group's exchanges hold finite local data only inside a stand-in run (a plan
 never asks), FSDP2's reduce-scatter keeps this rank's own chunk, the ring stages CUDA tensors
 through host memory exactly when the group's CUDA backend is gloo, and profiled kernels fall into
@@ -18,14 +18,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from upipe_dtensor import gpu_check
 from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.errors import JobError
-from upipe_dtensor.jobs import stand_in
-from upipe_dtensor.jobs.stand_in import (
-    CATEGORIES,
-    Measured,
-    classify,
-    refuse_what_does_not_fit,
-    report,
-)
 from upipe_dtensor.models import FLAVORS
 from upipe_dtensor.parallel.all_to_all import start_sequence_to_heads
 from upipe_dtensor.planning.step import Budget, plan_job
@@ -35,6 +27,14 @@ from upipe_dtensor.runtime.fake_process_group import (
     local_data_in_fake_collectives,
 )
 from upipe_dtensor.runtime.group_backends import stages_through_host
+from upipe_dtensor.verify import stand_in
+from upipe_dtensor.verify.stand_in import (
+    CATEGORIES,
+    Measured,
+    classify,
+    refuse_what_does_not_fit,
+    report,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_dtensor import FPDTAttention, RingAttention, UlyssesAttention, UPipeAttention
 from upipe_dtensor.config import ConfigError, check_job, config_help, load_config, parse_args
-from upipe_dtensor.jobs.parallelize import describe_cp_style, make_cp_style
 from upipe_dtensor.parallel.layouts import two_d_positions
 from upipe_dtensor.parallel.registry import (
     STYLES,
@@ -37,6 +36,7 @@ from upipe_dtensor.parallel.style_options import Geometry, OptionError, UlyssesO
 from upipe_dtensor.planning.communication_volume import layer_traffic
 from upipe_dtensor.planning.max_context import knobs, on_world
 from upipe_dtensor.planning.step import _overlapped_stages
+from upipe_dtensor.train.parallelize import describe_cp_style, make_cp_style
 
 pytestmark = pytest.mark.unit
 

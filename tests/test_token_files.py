@@ -227,8 +227,8 @@ def test_resume_on_another_folder_names_the_change(corpus, tokenizer, tmp_path):
 
 def test_a_haystack_from_a_token_folder_asks_for_text(corpus):
     """evaluate --task fills haystacks with the job's text; a token folder has none."""
+    from upipe_dtensor.commands.retrieval import haystack_documents
     from upipe_dtensor.config import parse_args
-    from upipe_dtensor.jobs.retrieval import haystack_documents
 
     config = parse_args(["--config", str(DEBUG_JOB), "--training.dataset_path", str(corpus[1])])
     with pytest.raises(ConfigError, match=r"is a token folder, and a haystack is text: pass --"):

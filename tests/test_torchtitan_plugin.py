@@ -183,7 +183,7 @@ def _with_plugin(
             ],
         )
     from upipe_dtensor.config import parse_args
-    from upipe_dtensor.jobs.trainer import Trainer as ProjectTrainer
+    from upipe_dtensor.train.trainer import Trainer as ProjectTrainer
 
     losses["this project's trainer"] = ProjectTrainer(parse_args(ours)).train()
     if rank == 0:

@@ -12,7 +12,7 @@ from harness import run_on_ranks
 
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.data.tokenize import tokenize
-from upipe_dtensor.jobs.trainer import Trainer
+from upipe_dtensor.train.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
 

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from harness import run_command
 from hf_tiny import load_reference, safetensors_weights, write_tiny_hf_llama
 
+from upipe_dtensor.commands import convert
 from upipe_dtensor.data import report, tokenize
-from upipe_dtensor.jobs import convert
 from upipe_dtensor.planning import cli as plan_cli
 
 pytestmark = pytest.mark.e2e

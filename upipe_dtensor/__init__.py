@@ -3,11 +3,12 @@ training.
 
 The CP styles are exported here; the sub-packages, lowest layer first (a layer imports only its
 own and lower ones, ``tests/test_layering.py``): ``errors`` (the shared exceptions), ``runtime``,
-``kernels``, ``memory``, ``parallel``, ``models``, ``checkpointing``, ``config``, ``data``, the
-job assembly in ``jobs`` (setup, build, parallelize, trainer), ``planning``, then the commands
-(``jobs``' evaluate, retrieval, convert, gpu_check, and the ``python -m`` modules here), and
-``integrations`` (torchtitan's own trainer running the styles). Every
-module file is listed in docs/design.md, "Layout".
+``kernels``, ``memory``, ``parallel``, ``models``, ``config``, ``checkpointing``, ``data``, the
+training job in ``train`` (setup, build, parallelize, trainer), ``planning``, then the GPU
+verification tools in ``verify`` (gpu_check, stand_in, kernel_rates, evidence) and the user
+commands in ``commands`` (evaluate, retrieval, convert; their ``python -m`` names are the modules
+here), and ``integrations`` (torchtitan's own trainer running the styles). Every module file is
+listed in docs/design.md, "Layout".
 """
 
 import upipe_dtensor.models  # noqa: F401  (registers the model families' attention modules)

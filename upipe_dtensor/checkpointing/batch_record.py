@@ -9,7 +9,7 @@ one says so in one line, with what it means:
   used, ``data.loader.PackedTextLoader``), so the data goes on from the token the snapshot stopped
   at, in the new windows, nothing skipped or repeated; a mixture goes on from each source's
   position and moves to the new shares from there (``data.mixture.Mixture``);
-- the schedule: the learning rate is a function of the step (``jobs.optimizer.lr_lambda``), so the
+- the schedule: the learning rate is a function of the step (``train.optimizer.lr_lambda``), so the
   steps still to train follow it as before, holding another number of tokens.
 
 What cannot be honoured is refused, naming the key: a mixture's position is one per source, in
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from upipe_dtensor.checkpointing.manifest import read_manifest
+from upipe_dtensor.config.schema import JobConfig
 from upipe_dtensor.errors import ConfigError
-
-if TYPE_CHECKING:  # the config layer sits above checkpointing (tests/test_layering.py)
-    from upipe_dtensor.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
 

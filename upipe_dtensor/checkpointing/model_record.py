@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from upipe_dtensor.checkpointing.manifest import read_manifest
+from upipe_dtensor.config.schema import JobConfig
 from upipe_dtensor.errors import ConfigError
 from upipe_dtensor.models.hf_config import ModelArgs, shape_fields
-
-if TYPE_CHECKING:  # the config layer sits above checkpointing (tests/test_layering.py)
-    from upipe_dtensor.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -30,11 +30,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from upipe_dtensor.checkpointing.manifest import read_manifest, verify, write_manifest
 from upipe_dtensor.checkpointing.storage import human, is_out_of_space, no_space_error
+from upipe_dtensor.config.schema import JobConfig
 from upipe_dtensor.errors import ConfigError, JobComplete, JobError
 from upipe_dtensor.runtime.collectives import on_rank0
-
-if TYPE_CHECKING:  # the config layer sits above checkpointing (tests/test_layering.py)
-    from upipe_dtensor.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from upipe_dtensor.errors import ConfigError
 from upipe_dtensor.models.family import family_of
 from upipe_dtensor.models.hf_config import (
     ModelArgs,
+    check_safetensors,
     hf_config_for,
-    hf_shape_mismatch,
     read_hf_config,
 )
 from upipe_dtensor.models.long_context import LongContextModel
@@ -109,15 +109,6 @@ def _by_block(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return list(groups.values())
 
 
-def initial_load_folder(config) -> str:
-    """The folder [checkpoint] initial_load_path names (hf_assets_path for an HF load without
-    one), or "" when the job starts from the seed's initial weights."""
-    checkpoint = config.checkpoint
-    if checkpoint.initial_load_in_hf:
-        return checkpoint.initial_load_path or config.model.hf_assets_path
-    return checkpoint.initial_load_path
-
-
 def unloaded_hf_weights(config) -> str:
     """Why a job that would start from the seed's weights looks like a mistake ("" if not):
     [model] hf_assets_path holds safetensors weights, but no initial_load_path is given and
@@ -137,69 +128,6 @@ def unloaded_hf_weights(config) -> str:
         f"{config.training.seed} initial weights: set [checkpoint] initial_load_in_hf = true to "
         "start from those weights, or initial_load_in_hf = false to train from the seed on purpose"
     )
-
-
-def check_initial_load(config, args: ModelArgs) -> None:
-    """ValueError naming the key and a fix when the initial weights cannot be loaded into
-    ``args``."""
-    checkpoint = config.checkpoint
-    folder = initial_load_folder(config)
-    if checkpoint.initial_load_in_hf and not folder:
-        raise ValueError(
-            "[checkpoint] initial_load_in_hf needs a Hugging Face folder: set [checkpoint] "
-            "initial_load_path or [model] hf_assets_path"
-        )
-    if not folder:
-        return
-    if not Path(folder).is_dir():
-        raise ValueError(f"[checkpoint] initial_load_path = {folder!r} is not a folder")
-    if not checkpoint.initial_load_in_hf:
-        if not (Path(folder) / ".metadata").is_file():
-            raise ValueError(
-                f"[checkpoint] initial_load_path = {folder!r} is not a DCP checkpoint (no "
-                ".metadata); "
-                f"for a Hugging Face folder set initial_load_in_hf = true"
-            )
-        return
-    if not any(Path(folder).glob("*.safetensors")):
-        raise ValueError(
-            f"{folder} holds no *.safetensors weights to load ([checkpoint] initial_load_in_hf)"
-        )
-    check_safetensors(folder)
-    mismatch = hf_shape_mismatch(args, read_hf_config(folder))
-    if mismatch:
-        raise ValueError(
-            f"the model to train and the weights in {folder}/config.json differ: {mismatch}"
-        )
-
-
-def check_safetensors(folder: str) -> None:
-    """ValueError naming the first damaged ``*.safetensors`` file of ``folder``, found from the
-    headers alone (a few KiB per file): a truncated copy or download is named here instead of
-    surfacing as a reader error without a file name while the model loads."""
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        problem = _safetensors_problem(path)
-        if problem:
-            raise ValueError(f"{path} {problem}; copy or download it again")
-
-
-def _safetensors_problem(path: Path) -> str:
-    """What is wrong with one safetensors file ("" if its header parses and its tensors fit in
-    it). The format: 8 bytes of header length, a JSON header, then the tensors' bytes."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        if size < 8 or 8 + length > size:
-            return f"is truncated: {size:,} bytes, fewer than its header alone needs"
-        try:
-            header = json.loads(handle.read(length))
-            tensors = (entry for key, entry in header.items() if key != "__metadata__")
-            end = max((int(entry["data_offsets"][1]) for entry in tensors), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return "is damaged: its header is not a safetensors header"
-    if 8 + length + end > size:
-        return f"is truncated: {size:,} bytes, its header describes {8 + length + end:,}"
-    return ""
 
 
 def check_shapes(

@@ -3,8 +3,10 @@
 Each check names where the offending values were set (file or command line) and a fix. The
 checks of things that live elsewhere are asked of their owners: the model shape of
 ``models.hf_config``, a CP style's options and their geometry of the style
-(``parallel.style_options``, through the registry), the initial weights of
-``checkpointing.weights``.
+(``parallel.style_options``, through the registry). The initial weights' check is here
+(``check_initial_load``, with ``initial_load_folder``): it reads only the folder's files (the
+safetensors headers and config.json, through ``models.hf_config``), so the config layer stays
+below ``checkpointing``, which reads the job's config (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
-from upipe_dtensor.checkpointing.weights import check_initial_load
 from upipe_dtensor.config.schema import ConfigError, JobConfig, source_label
-from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.models.hf_config import (
+    ModelArgs,
+    check_safetensors,
+    hf_shape_mismatch,
+    model_args,
+    read_hf_config,
+)
 from upipe_dtensor.parallel.style_options import Geometry, OptionError
 
 
@@ -244,6 +252,49 @@ def _check_compile(config: JobConfig, fail) -> None:
             "such as 'eager' or 'aot_eager' (torch._dynamo.list_backends(exclude_tags=()) lists "
             "them all)",
             "compile.backend",
+        )
+
+
+def initial_load_folder(config: JobConfig) -> str:
+    """The folder [checkpoint] initial_load_path names (hf_assets_path for an HF load without
+    one), or "" when the job starts from the seed's initial weights."""
+    checkpoint = config.checkpoint
+    if checkpoint.initial_load_in_hf:
+        return checkpoint.initial_load_path or config.model.hf_assets_path
+    return checkpoint.initial_load_path
+
+
+def check_initial_load(config: JobConfig, args: ModelArgs) -> None:
+    """ValueError naming the key and a fix when the initial weights cannot be loaded into
+    ``args``."""
+    checkpoint = config.checkpoint
+    folder = initial_load_folder(config)
+    if checkpoint.initial_load_in_hf and not folder:
+        raise ValueError(
+            "[checkpoint] initial_load_in_hf needs a Hugging Face folder: set [checkpoint] "
+            "initial_load_path or [model] hf_assets_path"
+        )
+    if not folder:
+        return
+    if not Path(folder).is_dir():
+        raise ValueError(f"[checkpoint] initial_load_path = {folder!r} is not a folder")
+    if not checkpoint.initial_load_in_hf:
+        if not (Path(folder) / ".metadata").is_file():
+            raise ValueError(
+                f"[checkpoint] initial_load_path = {folder!r} is not a DCP checkpoint (no "
+                ".metadata); "
+                f"for a Hugging Face folder set initial_load_in_hf = true"
+            )
+        return
+    if not any(Path(folder).glob("*.safetensors")):
+        raise ValueError(
+            f"{folder} holds no *.safetensors weights to load ([checkpoint] initial_load_in_hf)"
+        )
+    check_safetensors(folder)
+    mismatch = hf_shape_mismatch(args, read_hf_config(folder))
+    if mismatch:
+        raise ValueError(
+            f"the model to train and the weights in {folder}/config.json differ: {mismatch}"
         )
 
 

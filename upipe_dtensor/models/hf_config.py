@@ -10,11 +10,16 @@ how a context-extension run raises the RoPE base or scaling of a pretrained mode
 Both spellings of the RoPE fields are read: ``rope_theta`` + ``rope_scaling`` (Meta's files,
 transformers 4) and ``rope_parameters`` (transformers 5). Exported files use the first, which
 both transformers versions and vLLM read.
+
+``check_safetensors`` names a damaged ``*.safetensors`` file of a folder from the headers alone:
+the config's checks (the initial weights), the loaders and ``convert`` all ask it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from upipe_dtensor.models.family import family_of, family_of_hf_config, get_family
@@ -195,3 +200,32 @@ def hf_config_for(args: ModelArgs, base: dict[str, Any] | None = None) -> dict[s
         int(scaling.original_max_position_embeddings * scaling.scaling_factor),
     )
     return config
+
+
+def check_safetensors(folder: str) -> None:
+    """ValueError naming the first damaged ``*.safetensors`` file of ``folder``, found from the
+    headers alone (a few KiB per file): a truncated copy or download is named here instead of
+    surfacing as a reader error without a file name while the model loads."""
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            raise ValueError(f"{path} {problem}; copy or download it again")
+
+
+def _safetensors_problem(path: Path) -> str:
+    """What is wrong with one safetensors file ("" if its header parses and its tensors fit in
+    it). The format: 8 bytes of header length, a JSON header, then the tensors' bytes."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if size < 8 or 8 + length > size:
+            return f"is truncated: {size:,} bytes, fewer than its header alone needs"
+        try:
+            header = json.loads(handle.read(length))
+            tensors = (entry for key, entry in header.items() if key != "__metadata__")
+            end = max((int(entry["data_offsets"][1]) for entry in tensors), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "is damaged: its header is not a safetensors header"
+    if 8 + length + end > size:
+        return f"is truncated: {size:,} bytes, its header describes {8 + length + end:,}"
+    return ""

@@ -34,7 +34,7 @@ EVAL_CHUNK_TOKENS = 4096
 class ForwardPlan:
     """How the long-context forward runs a model: settings the job owns, not the model.
 
-    The parallelize step builds one (``jobs.parallelize``) and the job's ``ParallelModel`` passes
+    The parallelize step builds one (``train.parallelize``) and the job's ``ParallelModel`` passes
     it to every forward, so a model module carries no training-time side attributes and the same
     module runs plain (the default plan) or under the job's plan."""
 

@@ -3,9 +3,9 @@ that shows every distinct block, standing for the full one.
 
 Every block of a flavor has the same shapes, saved tensors, kernels and collectives. What differs
 along the depth is decided by a few settings, each one rule of the job's assembly: which blocks
-keep their attention (``jobs.parallelize.keeps_attention``), which checkpoints park their input
+keep their attention (``train.parallelize.keeps_attention``), which checkpoints park their input
 in host memory (``memory.offload.offloads_group``), which blocks FSDP2 reshards after forward
-(``jobs.parallelize.reshards_after_forward``), and the checkpoint groups blocks run in. A
+(``train.parallelize.reshards_after_forward``), and the checkpoint groups blocks run in. A
 *unit* is one checkpoint group (one block without groups); consecutive units alike under those
 rules form a *run*.
 
@@ -43,10 +43,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.config import JobConfig
-from upipe_dtensor.jobs.parallelize import keeps_attention, reshards_after_forward
 from upipe_dtensor.memory.offload import offloads_group
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
+from upipe_dtensor.train.parallelize import keeps_attention, reshards_after_forward
 
 ELIDED = "elided_layers"
 """The traced model's child module holding the stand-ins of the blocks it does not trace."""

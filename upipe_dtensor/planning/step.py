@@ -34,10 +34,6 @@ from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
-from upipe_dtensor.jobs.build import Placement
-from upipe_dtensor.jobs.parallelize import describe_cp_style
-from upipe_dtensor.jobs.setup import build_meshes
-from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.attention_op import computations_run_by
@@ -53,7 +49,11 @@ from upipe_dtensor.planning.timeline import StepTimeline, expand
 from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker, Peak
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
 from upipe_dtensor.runtime.group_backends import backend_device_types
-from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
+from upipe_dtensor.runtime.process_group import process_group_backend
+from upipe_dtensor.train.build import Placement
+from upipe_dtensor.train.parallelize import describe_cp_style
+from upipe_dtensor.train.setup import build_meshes, holds_host_tensors
+from upipe_dtensor.train.trainer import Trainer
 
 GiB = 2**30
 DEVICE, HOST = torch.device("cpu"), torch.device("meta")  # fake stand-ins for GPU and host RAM

@@ -1,6 +1,6 @@
 """The fake process group: every rank of a job laid out in one process, collectives that move no
 data. The planner (``planning.step``) runs a job's real step on it with fake tensors; the
-stand-in run (``jobs.stand_in``) runs it with real tensors on one device, as rank 0 of the job.
+stand-in run (``verify.stand_in``) runs it with real tensors on one device, as rank 0 of the job.
 
 torch registers the ``"fake"`` backend, and defines the ``FakeStore`` it is initialised with, in
 a private test module (``torch.testing._internal.distributed.fake_pg``): importing that module is

@@ -4,9 +4,9 @@
 adds what it measures itself (tokens per second per device, peak memory, MFU against the one
 peak table, ``runtime.peak_flops``), logs the step line every ``[metrics] log_freq`` steps and
 hands the whole mapping to its sinks. A sink is anything with ``write(step, scalars)`` and
-``close()``: tensorboard events, a JSON-lines file, Weights & Biases (``open_sinks`` builds them
-from ``[metrics]``). Sinks run on rank 0 only; the step line is logged on every rank, which
-``runtime.logs`` shows on rank 0 by default.
+``close()``: tensorboard events, a JSON-lines file, Weights & Biases (the trainer's
+``open_sinks`` builds them from ``[metrics]``). Sinks run on rank 0 only; the step line is logged
+on every rank, which ``runtime.logs`` shows on rank 0 by default.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import resource
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from upipe_dtensor.errors import ConfigError
 from upipe_dtensor.runtime.peak_flops import peak_flops
-
-if TYPE_CHECKING:  # the config layer sits above the runtime (tests/test_layering.py)
-    from upipe_dtensor.config.schema import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -133,20 +130,6 @@ class WandbSink:
         self.run.finish()
 
 
-def open_sinks(
-    metrics: Metrics, dump_folder: Path, first_step: int, run_config: Mapping[str, Any]
-) -> list[MetricsSink]:
-    """The sinks ``[metrics]`` turns on, writing under ``dump_folder`` (rank 0 opens them)."""
-    sinks: list[MetricsSink] = []
-    if metrics.enable_tensorboard:
-        sinks.append(TensorBoardSink(dump_folder / metrics.save_tb_folder, first_step))
-    if metrics.enable_jsonl:
-        sinks.append(JsonlSink(dump_folder / metrics.save_jsonl_file, first_step))
-    if metrics.enable_wandb:
-        sinks.append(WandbSink(dump_folder, run_config))
-    return sinks
-
-
 _LINE_FORMATS = {
     "loss": "loss {:.4f}",
     "grad_norm": "grad_norm {:.3f}",
@@ -194,8 +177,8 @@ class MetricsLogger:
         flops_per_token: float,
         world_size: int,
     ) -> None:
-        """``sinks``: where the scalars go besides the log line (``open_sinks``; none on ranks
-        other than 0)."""
+        """``sinks``: where the scalars go besides the log line (``train.trainer.open_sinks``;
+        none on ranks other than 0)."""
         self.sinks = list(sinks)
         self.log_freq = log_freq
         self.device = device

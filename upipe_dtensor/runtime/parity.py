@@ -1,7 +1,7 @@
 """Comparing a context-parallel model with the unsharded one: shard a batch in a style's layout,
 put the shards back together, sum each rank's partial gradients, measure relative errors.
 
-The tests (through ``tests/harness.py``) and the GPU check (``jobs.gpu_check``) both call these,
+The tests (through ``tests/harness.py``) and the GPU check (``verify.gpu_check``) both call these,
 so a number printed on a GPU means what the CPU tests assert.
 """
 

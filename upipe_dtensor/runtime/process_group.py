@@ -11,24 +11,14 @@ Several ranks on one GPU (``gpu_check``'s numerics on a machine with fewer GPUs 
 use NCCL, which refuses two ranks on one device ("Duplicate GPU detected"): they run gloo
 (``runtime.group_backends`` says what gloo does with CUDA tensors).
 
-The trainer (``jobs.build``), ``gpu_check`` and the planner all take the string from
-``process_group_backend``; the planner checks every collective of the traced step against it
-(``planning.rehearsal``, ``group_backends.backend_device_types``), so a host collective without a
-CPU backend is refused in the plan.
+The trainer (``train.build``), ``gpu_check`` and the planner all take the string from
+``process_group_backend`` (whether a job holds host tensors is the job's question:
+``train.setup.holds_host_tensors``); the planner checks every collective of the traced step
+against it (``planning.rehearsal``, ``group_backends.backend_device_types``), so a host
+collective without a CPU backend is refused in the plan.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the config layer sits above the runtime (tests/test_layering.py)
-    from upipe_dtensor.config.schema import JobConfig
-
-
-def holds_host_tensors(config: JobConfig) -> bool:
-    """Whether a job of ``config`` keeps tensors that collectives meet in host memory (FSDP2 CPU
-    offload: the sharded parameters, their gradients and the optimizer state)."""
-    return config.training.enable_cpu_offload
 
 
 def process_group_backend(device_type: str, host_tensors: bool, shared_gpu: bool = False) -> str:

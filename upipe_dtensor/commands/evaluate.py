@@ -42,14 +42,14 @@ import torch.distributed as dist
 
 from upipe_dtensor.checkpointing.outputs import refuse_existing
 from upipe_dtensor.checkpointing.snapshots import snapshot_candidates
+from upipe_dtensor.commands import retrieval
+from upipe_dtensor.commands.eval_common import load_job_model, weights_tag, write_outputs
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, JobConfig, parse_args
-from upipe_dtensor.jobs import retrieval
-from upipe_dtensor.jobs.build import ParallelModel
-from upipe_dtensor.jobs.eval_common import load_job_model, weights_tag, write_outputs
 from upipe_dtensor.models import IGNORE_INDEX
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.runtime.collectives import on_rank0
 from upipe_dtensor.runtime.errors import run_main
+from upipe_dtensor.train.build import ParallelModel
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--task",
         choices=sorted(retrieval.TASKS),
-        help="retrieval at every depth and length instead of loss by position (jobs/retrieval.py)",
+        help="retrieval at every depth and length instead of loss by position "
+        "(commands/retrieval.py)",
     )
     parser.add_argument("--lengths", help="--task: total tokens, e.g. 128K,1M (default: seq_len)")
     parser.add_argument("--depths", default=retrieval.DEFAULT_DEPTHS, help="--task: needle depths")

@@ -56,10 +56,6 @@ import torch
 import torch.distributed as dist
 
 from upipe_dtensor.config import ConfigError, JobConfig, parse_args
-from upipe_dtensor.jobs import kernel_rates
-from upipe_dtensor.jobs.build import configure_allocator, resolve_attention
-from upipe_dtensor.jobs.setup import Placement, build_meshes
-from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.planning.hardware import GPU_PROFILES, load_profile
@@ -70,6 +66,10 @@ from upipe_dtensor.runtime.fake_process_group import (
     keep_fsdp_gradients_finite,
     local_data_in_fake_collectives,
 )
+from upipe_dtensor.train.build import configure_allocator, resolve_attention
+from upipe_dtensor.train.setup import Placement, build_meshes
+from upipe_dtensor.train.trainer import Trainer
+from upipe_dtensor.verify import kernel_rates
 
 logger = logging.getLogger(__name__)
 

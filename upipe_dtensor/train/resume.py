@@ -30,8 +30,8 @@ from upipe_dtensor.checkpointing.storage import snapshot_bytes_estimate, space_r
 from upipe_dtensor.config import ConfigError, JobConfig
 from upipe_dtensor.data.checks import data_changes
 from upipe_dtensor.data.loader import PackedTextLoader
-from upipe_dtensor.jobs.setup import JobSetup
 from upipe_dtensor.runtime.collectives import on_every_rank, on_rank0
+from upipe_dtensor.train.setup import JobSetup
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,9 @@ import logging
 import math
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,13 +28,26 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from upipe_dtensor.checkpointing.job_lock import JobLock, claim_dump_folder
 from upipe_dtensor.config import JobConfig
+from upipe_dtensor.config.schema import Metrics
 from upipe_dtensor.data.checks import data_fingerprint
-from upipe_dtensor.jobs.build import build_parallel_model, load_initial_weights, set_up_job
-from upipe_dtensor.jobs.export import export_hf
-from upipe_dtensor.jobs.optimizer import build_lr_scheduler, build_optimizer, follow_schedule
-from upipe_dtensor.jobs.parallelize import compile_report, describe_cp_style
-from upipe_dtensor.jobs.preflight import check_before_process_group, checked_loader
-from upipe_dtensor.jobs.resume import (
+from upipe_dtensor.models import IGNORE_INDEX, flops_per_token
+from upipe_dtensor.runtime.collectives import gather_dicts, on_every_rank
+from upipe_dtensor.runtime.errors import JobError, JobStopped
+from upipe_dtensor.runtime.metrics import (
+    JsonlSink,
+    MetricsLogger,
+    MetricsSink,
+    TensorBoardSink,
+    WandbSink,
+)
+from upipe_dtensor.runtime.rank_deaths import is_communication_failure, rank_processes
+from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
+from upipe_dtensor.train.build import build_parallel_model, load_initial_weights, set_up_job
+from upipe_dtensor.train.export import export_hf
+from upipe_dtensor.train.optimizer import build_lr_scheduler, build_optimizer, follow_schedule
+from upipe_dtensor.train.parallelize import compile_report, describe_cp_style
+from upipe_dtensor.train.preflight import check_before_process_group, checked_loader
+from upipe_dtensor.train.resume import (
     check_resumable,
     choose_resume,
     job_checkpointer,
@@ -40,15 +55,23 @@ from upipe_dtensor.jobs.resume import (
     resume_hint,
     snapshot_step,
 )
-from upipe_dtensor.jobs.setup import Placement
-from upipe_dtensor.models import IGNORE_INDEX, flops_per_token
-from upipe_dtensor.runtime.collectives import gather_dicts, on_every_rank
-from upipe_dtensor.runtime.errors import JobError, JobStopped
-from upipe_dtensor.runtime.metrics import MetricsLogger, open_sinks
-from upipe_dtensor.runtime.rank_deaths import is_communication_failure, rank_processes
-from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
+from upipe_dtensor.train.setup import Placement
 
 logger = logging.getLogger(__name__)
+
+
+def open_sinks(
+    metrics: Metrics, dump_folder: Path, first_step: int, run_config: Mapping[str, Any]
+) -> list[MetricsSink]:
+    """The sinks ``[metrics]`` turns on, writing under ``dump_folder`` (rank 0 opens them)."""
+    sinks: list[MetricsSink] = []
+    if metrics.enable_tensorboard:
+        sinks.append(TensorBoardSink(dump_folder / metrics.save_tb_folder, first_step))
+    if metrics.enable_jsonl:
+        sinks.append(JsonlSink(dump_folder / metrics.save_jsonl_file, first_step))
+    if metrics.enable_wandb:
+        sinks.append(WandbSink(dump_folder, run_config))
+    return sinks
 
 
 class Trainer:
@@ -70,7 +93,7 @@ class Trainer:
         exact_tokenizer: bool = False,
     ) -> None:
         """By default the trainer picks its device (CUDA if present) and builds its meshes; the
-        memory planner decides them with ``placement`` (see ``jobs.setup.Placement``).
+        memory planner decides them with ``placement`` (see ``train.setup.Placement``).
         ``exact_tokenizer``: the tokenizer must be the model's own (train.py: it trains on text;
         ``build.check_tokenizer_fits``)."""
         self.config = config

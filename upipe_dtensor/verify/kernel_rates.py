@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 from upipe_dtensor.config import JobConfig, parse_args
-from upipe_dtensor.jobs.build import configure_allocator
 from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.kernels.backends import BACKENDS, choose_backend
 from upipe_dtensor.kernels.flash_registry import activate_backend
@@ -45,6 +44,7 @@ from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.parallel.head_schedule import make_head_schedule
 from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
 from upipe_dtensor.planning.step_work import visible_pairs
+from upipe_dtensor.train.build import configure_allocator
 
 REPEATS, MIN_SECONDS = 5, 0.05
 """Timed runs per kernel (at least), and the least time they add up to."""

@@ -18,9 +18,9 @@ from upipe_dtensor.config.checks import data_error
 from upipe_dtensor.data.checks import DataScan, scan_sources
 from upipe_dtensor.data.loader import PackedTextLoader, hub_unreachable
 from upipe_dtensor.data.startup_warnings import data_warnings
-from upipe_dtensor.jobs.export import check_export_target
-from upipe_dtensor.jobs.setup import JobSetup
 from upipe_dtensor.runtime.metrics import WANDB_MISSING, wandb_missing
+from upipe_dtensor.train.export import check_export_target
+from upipe_dtensor.train.setup import JobSetup
 
 logger = logging.getLogger(__name__)
 

@@ -16,15 +16,16 @@ import torch.distributed as dist
 from upipe_dtensor.checkpointing.model_record import check_model_unchanged
 from upipe_dtensor.checkpointing.outputs import writing_file
 from upipe_dtensor.checkpointing.snapshots import choose_snapshot, snapshot_candidates
-from upipe_dtensor.checkpointing.weights import initial_load_folder, load_dcp_weights
+from upipe_dtensor.checkpointing.weights import load_dcp_weights
 from upipe_dtensor.config import ConfigError, JobConfig
-from upipe_dtensor.jobs.build import (
+from upipe_dtensor.config.checks import initial_load_folder
+from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.train.build import (
     ParallelModel,
     build_parallel_model,
     load_initial_weights,
     set_up_job,
 )
-from upipe_dtensor.models.hf_config import model_args
 
 
 def load_eval_weights(built: ParallelModel, snapshot: Path | None) -> str:

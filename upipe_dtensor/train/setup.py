@@ -115,3 +115,9 @@ class JobSetup:
     dp_rank: int
     cp: int
     cp_rank: int
+
+
+def holds_host_tensors(config: JobConfig) -> bool:
+    """Whether a job of ``config`` keeps tensors that collectives meet in host memory (FSDP2 CPU
+    offload: the sharded parameters, their gradients and the optimizer state)."""
+    return config.training.enable_cpu_offload

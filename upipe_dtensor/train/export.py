@@ -10,8 +10,8 @@ from pathlib import Path
 from upipe_dtensor.checkpointing.outputs import refuse_nonempty
 from upipe_dtensor.checkpointing.weights import save_hf_weights
 from upipe_dtensor.config import JobConfig
-from upipe_dtensor.jobs.parallelize import DTYPES
 from upipe_dtensor.models import LongContextModel
+from upipe_dtensor.train.parallelize import DTYPES
 
 logger = logging.getLogger(__name__)
 

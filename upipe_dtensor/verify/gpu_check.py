@@ -7,7 +7,7 @@ More ranks than GPUs share them (rank r on GPU LOCAL_RANK mod the GPUs): NCCL re
 one device, so such a run's group is gloo, whose collectives take CUDA tensors (the ring's sends
 go through host memory, ``runtime.group_backends.stages_through_host``); the parity rows then check
 the GPU's kernels and the styles' arithmetic, not NCCL, and the step is left to ``--stand-in``
-(``jobs.stand_in``), which measures a recipe's rank 0 beside its plan.
+(``verify.stand_in``), which measures a recipe's rank 0 beside its plan.
 
 1. Parity. Each context-parallel style (UPipe, Ulysses, ring, FPDT, UPipe x FPDT, and 2D UPipe on
    4 or 8 GPUs) runs a small torchtitan Llama3 (GQA, head_dim 64) in bf16 with every attention
@@ -56,9 +56,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from upipe_dtensor.config import ConfigError, parse_args
-from upipe_dtensor.jobs import kernel_rates, stand_in
-from upipe_dtensor.jobs.build import configure_allocator
-from upipe_dtensor.jobs.trainer import Trainer
 from upipe_dtensor.kernels.backends import BACKENDS, activate_backend, choose_backend
 from upipe_dtensor.models.generation import family_module
 from upipe_dtensor.models.hf_config import model_args
@@ -77,6 +74,9 @@ from upipe_dtensor.runtime.parity import (
     worst_grad_err,
 )
 from upipe_dtensor.runtime.process_group import process_group_backend
+from upipe_dtensor.train.build import configure_allocator
+from upipe_dtensor.train.trainer import Trainer
+from upipe_dtensor.verify import kernel_rates, stand_in
 
 GiB = 2**30
 HEADS, KV_HEADS, HEAD_DIM, VOCAB = 8, 4, 64, 256
@@ -496,7 +496,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--stand-in",
         action="store_true",
-        help="one device as rank 0 of --config's world, measured beside its plan (jobs/stand_in)",
+        help="one device as rank 0 of --config's world, measured beside its plan (verify/stand_in)",
     )
     parser.add_argument(
         "--rates",

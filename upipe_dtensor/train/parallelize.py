@@ -25,7 +25,6 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
-from upipe_dtensor.jobs.setup import JobSetup
 from upipe_dtensor.kernels.fused import use_backend as use_fused_backend
 from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
 from upipe_dtensor.memory.kept_attention import KeptAttention
@@ -36,6 +35,7 @@ from upipe_dtensor.models.long_context import ForwardPlan
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.parallel.registry import make_style
 from upipe_dtensor.parallel.style_options import Geometry
+from upipe_dtensor.train.setup import JobSetup
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -191,7 +191,7 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
 
     ``setup.mixed_precision`` applies [training] mixed_precision_param/reduce (on CUDA; the
     planner turns it on to model a GPU run with CPU stand-in tensors, see
-    ``jobs.build.Placement``).
+    ``train.build.Placement``).
     """
     config, device, host_device = setup.config, setup.device, setup.host_device
     cp_style = apply_context_parallel(model, setup)

@@ -33,7 +33,6 @@ import torch
 from upipe_dtensor.checkpointing.model_record import check_model_unchanged
 from upipe_dtensor.checkpointing.outputs import kept_note, refuse_nonempty
 from upipe_dtensor.checkpointing.weights import (
-    check_safetensors,
     load_dcp_weights,
     load_hf_weights,
     save_dcp_weights,
@@ -41,11 +40,16 @@ from upipe_dtensor.checkpointing.weights import (
 )
 from upipe_dtensor.config import OVERRIDES_HELP, ConfigError, parse_args
 from upipe_dtensor.data.loader import job_tokenizer
-from upipe_dtensor.jobs.build import check_tokenizer_fits
-from upipe_dtensor.jobs.parallelize import DTYPES
 from upipe_dtensor.models import LongContextModel, family_of
-from upipe_dtensor.models.hf_config import args_from_hf, model_args, read_hf_config
+from upipe_dtensor.models.hf_config import (
+    args_from_hf,
+    check_safetensors,
+    model_args,
+    read_hf_config,
+)
 from upipe_dtensor.runtime.errors import run_main
+from upipe_dtensor.train.build import check_tokenizer_fits
+from upipe_dtensor.train.parallelize import DTYPES
 
 logger = logging.getLogger(__name__)
 

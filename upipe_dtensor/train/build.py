@@ -18,23 +18,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from upipe_dtensor.checkpointing.weights import (
-    initial_load_folder,
-    load_dcp_weights,
-    load_hf_weights,
-)
+from upipe_dtensor.checkpointing.weights import load_dcp_weights, load_hf_weights
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
+from upipe_dtensor.config.checks import initial_load_folder
 from upipe_dtensor.data.documents import document_ids, document_positions
 from upipe_dtensor.data.loader import Tokenizer, job_tokenizer
-from upipe_dtensor.jobs.parallelize import DTYPES, parallelize_llama
-from upipe_dtensor.jobs.setup import JobSetup, Placement, build_meshes
 from upipe_dtensor.kernels.backends import Choice, activate_backend, choose_backend
 from upipe_dtensor.memory.offload import HostOffload
 from upipe_dtensor.models import ForwardPlan, LongContextModel, family_of, init_sharded_weights
 from upipe_dtensor.models.hf_config import ModelArgs, model_args
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.runtime.host_store import to_device
-from upipe_dtensor.runtime.process_group import holds_host_tensors, process_group_backend
+from upipe_dtensor.runtime.process_group import process_group_backend
+from upipe_dtensor.train.parallelize import DTYPES, parallelize_llama
+from upipe_dtensor.train.setup import JobSetup, Placement, build_meshes, holds_host_tensors
 
 
 def pick_device(config: JobConfig) -> torch.device:

@@ -49,12 +49,12 @@ from torch import Tensor
 
 from upipe_dtensor.checkpointing.outputs import refuse_existing
 from upipe_dtensor.checkpointing.snapshots import snapshot_candidates
+from upipe_dtensor.commands.eval_common import load_job_model, weights_tag, write_outputs
 from upipe_dtensor.config import ConfigError, JobConfig, parse_args
 from upipe_dtensor.data.loader import HubDocuments, LocalDocuments, Tokenizer, job_tokenizer
 from upipe_dtensor.data.token_files import is_token_folder
-from upipe_dtensor.jobs.build import ParallelModel
-from upipe_dtensor.jobs.eval_common import load_job_model, weights_tag, write_outputs
 from upipe_dtensor.models import IGNORE_INDEX
+from upipe_dtensor.train.build import ParallelModel
 
 logger = logging.getLogger(__name__)
 
