@@ -133,7 +133,7 @@ def make_style(
     ``parallelize_module`` checks the real module and mesh again). ``OptionError`` (a
     ValueError) names the numbers, the keys at fault and a fix.
 
-    The trainer (``jobs.parallelize``) builds its style here, and so can a torchtitan plug-in
+    The trainer (``train.parallelize``) builds its style here, and so can a torchtitan plug-in
     from its own options: ``make_style({"cp_style": "upipe", "heads_per_stage": 8},
     Geometry(n_heads=32, n_kv_heads=8, cp_degree=8))``.
     """
