@@ -53,12 +53,14 @@ def plan_json(recipe: Path, stand_in: str) -> str:
 
 
 _CHECKOUT = re.compile(r'("config_file": ")[^"]*?(/recipes/)')
+_STAND_IN = re.compile(r"[^\s\"']*upipe-plan-snapshots[^/\s\"']*/Llama-3\.1-8B")
 
 
 def _anywhere(text: str) -> str:
-    """``text`` with the checkout's folder left out of the recipe's path, so that plans made in
-    two checkouts (before and after a change, in two worktrees) compare by what they plan."""
-    return _CHECKOUT.sub(r"\1<checkout>\2", text)
+    """``text`` with the checkout's folder left out of the recipe's path and the stand-in HF
+    folder's path left out, so that plans made in two checkouts (before and after a change, in
+    two worktrees, at once) compare by what they plan."""
+    return _STAND_IN.sub("<stand-in>", _CHECKOUT.sub(r"\1<checkout>\2", text))
 
 
 def main() -> int:
@@ -68,10 +70,8 @@ def main() -> int:
     mode.add_argument("--compare", type=Path, metavar="DIR", help="compare with plans written")
     args = parser.parse_args()
     differ = []
-    # One fixed path: a plan may name the folder, and both runs must name the same.
-    folder = Path(tempfile.gettempdir()) / "upipe-plan-snapshots" / "Llama-3.1-8B"
-    shutil.rmtree(folder.parent, ignore_errors=True)
-    folder.parent.mkdir(parents=True)
+    # A folder of this run's own (``_anywhere`` leaves its path out of what is compared).
+    folder = Path(tempfile.mkdtemp(prefix="upipe-plan-snapshots-")) / "Llama-3.1-8B"
     stand_in = llama_31_8b_folder(folder)
     try:
         for recipe in recipes():
