@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from upipe_dtensor.runtime.torch_private import OpOverload, is_fx_symbolic_tracing
+
 _transparent = False
 
 
@@ -33,10 +35,10 @@ class OpSpec:
         _SPECS[self.op._opoverload] = self
 
 
-_SPECS: dict[torch._ops.OpOverload, OpSpec] = {}
+_SPECS: dict[OpOverload, OpSpec] = {}
 
 
-def project_ops() -> dict[torch._ops.OpOverload, OpSpec]:
+def project_ops() -> dict[OpOverload, OpSpec]:
     """Every registered op (``torch.ops.upipe.*``), by the overload a compiled graph calls."""
     return dict(_SPECS)
 
@@ -70,7 +72,7 @@ def compile_is_tracing() -> bool:
     torch 2.11 does not while AOT autograd traces, where only FX's tracing flag is up (a nested
     ``torch.compile`` there raises "Detected that you are using FX to symbolically trace a
     dynamo-optimized function"). ``is_compiling`` first: under dynamo nothing else is read."""
-    return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+    return torch.compiler.is_compiling() or is_fx_symbolic_tracing()
 
 
 def call(spec: OpSpec, *args):

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
+
+from upipe_dtensor.runtime.torch_private import is_fake
 
 _every_tile_when_planning = False
 _repeats = 1.0

@@ -32,9 +32,9 @@ from pathlib import PurePath
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from upipe_dtensor.kernels.op_mode import project_ops
+from upipe_dtensor.runtime.torch_private import TorchDispatchMode
 
 MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
     "parameters + gradients + optimizer state",

@@ -4,8 +4,9 @@ stand-in run (``verify.stand_in``) runs it with real tensors on one device, as r
 
 torch registers the ``"fake"`` backend, and defines the ``FakeStore`` it is initialised with, in
 a private test module (``torch.testing._internal.distributed.fake_pg``): importing that module is
-what makes ``init_process_group("fake")`` work. This is the package's one import of it, so a
-torch release that moves it breaks here, with a message saying so, and not inside a plan.
+what makes ``init_process_group("fake")`` work. The package imports it in one place,
+``runtime.torch_private.fake_store``, so a torch release that moves it breaks there, with a
+message saying so, and not inside a plan.
 
 What a fake collective leaves in its output (torch 2.11 and 2.13, read off CPU runs): an
 all-gather copies the local shard into every chunk and an all-reduce keeps the local value, but
@@ -28,21 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-PRIVATE_MODULE = "torch.testing._internal.distributed.fake_pg"
+from upipe_dtensor.runtime.torch_private import fake_store
+
 _filling = False
 
 
 def init_fake_process_group(world_size: int) -> None:
     """Initialise the default process group as rank 0 of ``world_size`` fake ranks."""
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as err:
-        raise ImportError(
-            f"torch {torch.__version__} has no {PRIVATE_MODULE}.FakeStore, which registers the "
-            "fake process group the planner lays its ranks out on; this torch moved it: point "
-            "upipe_dtensor/runtime/fake_process_group.py at its new home"
-        ) from err
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store())
 
 
 @contextlib.contextmanager

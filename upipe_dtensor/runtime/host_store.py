@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
+
+from upipe_dtensor.runtime.torch_private import is_fake
 
 _rehearsing = False
 _PINNED_STAND_INS: dict[int, weakref.ref] = {}
