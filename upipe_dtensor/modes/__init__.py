@@ -8,5 +8,6 @@ nothing else of the package, so ``runtime``, ``kernels``, ``memory`` and ``paral
 and none of them imports ``planning`` for it.
 
 ``fake_group``: exchanges over a fake process group fill their outputs with local data (the
-stand-in run).
+stand-in run). ``rehearsal``: the device-runtime seam's copies take their CUDA branch on the
+planner's stand-ins (a plan of a CUDA job).
 """

@@ -32,7 +32,7 @@ place tensors as the CUDA job does:
 
 The copies of the project's one device-runtime seam (``runtime.host_store``) are non_blocking from
 pinned memory on CUDA; rehearsing, the seam makes the same calls on its stand-ins and marks their
-buffers as pinned (``host_store.rehearsing``), so a blocking or pageable copy there is seen too.
+buffers as pinned (``modes.rehearsal``), so a blocking or pageable copy there is seen too.
 
 What it cannot see: CUDA calls that have no fake equivalent (``torch.cuda.synchronize``, event and
 stream waits; the project's step makes none outside FSDP2's, which is counted), syncs inside
@@ -59,6 +59,7 @@ from torch.overrides import TorchFunctionMode
 
 from upipe_dtensor.kernels import fused
 from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.modes.rehearsal import rehearsing
 from upipe_dtensor.planning.step_work import add_counts
 from upipe_dtensor.planning.tracker import run_op_bodies, tensor_leaves
 from upipe_dtensor.runtime import host_store
@@ -343,7 +344,7 @@ class GpuRehearsal:
         """The rehearsed step: factories without a device make host tensors, the host store
         copies as on CUDA, and device reads are recorded (while ``counting``)."""
         with (
-            host_store.rehearsing(),
+            rehearsing(),
             fused.compiled_calls_inside(self.functions_off),
             self._functions,
         ):
