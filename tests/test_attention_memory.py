@@ -60,7 +60,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs  # noqa: E4
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis  # noqa: E402
 
 from upipe_dtensor.kernels import rope, tiling  # noqa: E402
-from upipe_dtensor.kernels.op_mode import transparent_ops  # noqa: E402
+from upipe_dtensor.modes.ops import transparent_ops  # noqa: E402
 from upipe_dtensor.parallel.attention_op import ALL_GRADIENTS, AttentionParams, AttentionWeights  # noqa: E402
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward  # noqa: E402
 from upipe_dtensor.parallel.head_stages import forget_head_indices  # noqa: E402

@@ -20,7 +20,7 @@ from harness import run_on_ranks
 
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.kernels import tiling
-from upipe_dtensor.kernels.op_mode import transparent_ops
+from upipe_dtensor.modes.ops import transparent_ops
 from upipe_dtensor.planning.compiled import shared_compiles
 from upipe_dtensor.planning.step import (
     CUDA_CONTEXT,

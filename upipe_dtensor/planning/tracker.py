@@ -4,7 +4,7 @@ allocated it, with the peak and what was alive at the peak.
 A ``TorchDispatchMode`` sees each op's outputs; a storage is counted from the op that creates it
 until it is freed (a weak-reference finaliser), so views and in-place ops cost nothing, exactly
 as in a caching allocator without fragmentation. It works on real tensors and on fake ones (the
-planner), and with ``kernels.op_mode.transparent_ops()`` it also sees the buffers inside the
+planner), and with ``modes.ops.transparent_ops()`` it also sees the buffers inside the
 project's custom ops (the per-stage UPipe buffers are the point of UPipe).
 
 Labels come from the Python call stack at allocation time: the attention, MLP and loss code of this
