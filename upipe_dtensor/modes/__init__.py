@@ -10,5 +10,6 @@ and none of them imports ``planning`` for it.
 ``fake_group``: exchanges over a fake process group fill their outputs with local data (the
 stand-in run). ``rehearsal``: the device-runtime seam's copies take their CUDA branch on the
 planner's stand-ins (a plan of a CUDA job). ``ops``: the project's custom ops run their Python
-bodies in the open, for the planner's tracker.
+bodies in the open, for the planner's tracker, and the attention ops' computations go through
+the planner's runner.
 """

@@ -34,8 +34,7 @@ from torch.distributed.tensor import DTensor
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
 from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.modes.ops import transparent_ops
-from upipe_dtensor.parallel.attention_op import computations_run_by
+from upipe_dtensor.modes.ops import computations_run_by, transparent_ops
 from upipe_dtensor.parallel.head_stages import forget_head_indices
 from upipe_dtensor.planning import compiled as planned_compile
 from upipe_dtensor.planning.depth import DepthReduction, ElidedBlocks, reduce_depth
