@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from upipe_dtensor.kernels import fused
-from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.modes.loops import repeats
 from upipe_dtensor.modes.rehearsal import rehearsing
 from upipe_dtensor.planning.step_work import add_counts
 from upipe_dtensor.planning.tracker import run_op_bodies, tensor_leaves

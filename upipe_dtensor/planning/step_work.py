@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import flop_registry
 
 from upipe_dtensor.config import ConfigError
-from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.modes.loops import repeats
 from upipe_dtensor.planning.tracker import (
     OFFLOAD,
     is_untracked,
