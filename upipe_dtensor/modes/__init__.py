@@ -12,5 +12,5 @@ stand-in run). ``rehearsal``: the device-runtime seam's copies take their CUDA b
 planner's stand-ins (a plan of a CUDA job). ``ops``: the project's custom ops run their Python
 bodies in the open, for the planner's tracker, and the attention ops' computations go through
 the planner's runner. ``loops``: the tile and chunk loops' shortcut on fake tensors, and what
-a visited iteration stands for.
+a visited iteration stands for. ``compiles``: plans share their compiled graphs (a search).
 """

@@ -40,6 +40,7 @@ from torch import fx
 
 from upipe_dtensor.kernels.fused import restored_backend
 from upipe_dtensor.kernels.op_mode import project_ops
+from upipe_dtensor.modes.compiles import compiles_shared, sharing_compiles
 from upipe_dtensor.planning.tracker import untracked
 from upipe_dtensor.runtime.torch_private import (
     OpOverload,
@@ -378,8 +379,6 @@ RECOMPILE_LIMIT = 1024
 """Graphs dynamo may hold per function while planning (its default is 8): plans sharing their
 graphs (``shared_compiles``) add a few each, for new lengths, tile sizes and head stages."""
 
-_shared = False
-
 
 @contextlib.contextmanager
 def shared_compiles() -> Iterator[None]:
@@ -389,14 +388,13 @@ def shared_compiles() -> Iterator[None]:
     every block and tile kernel again: plans at the same length compile about a third of a plan's
     time less, at another length the full-size tiles' kernels are still kept. Dynamo's caches are
     empty when the outermost scope begins and ends, as around a single plan."""
-    global _shared
-    previous, _shared = _shared, True
-    if not previous:
-        dynamo_reset()
+    previous = compiles_shared()
     try:
-        yield
+        with sharing_compiles():
+            if not previous:
+                dynamo_reset()
+            yield
     finally:
-        _shared = previous
         if not previous:
             dynamo_reset()
 
@@ -414,7 +412,7 @@ def fresh_compiles(enabled: bool) -> Iterator[None]:
             yield
             return
         register()
-        if not _shared:
+        if not compiles_shared():
             dynamo_reset()
         try:
             with dynamo_config.patch(
@@ -425,5 +423,5 @@ def fresh_compiles(enabled: bool) -> Iterator[None]:
             ):
                 yield
         finally:
-            if not _shared:
+            if not compiles_shared():
                 dynamo_reset()
