@@ -7,10 +7,14 @@ its own global or reads another's. This package is the layer just above ``errors
 nothing else of the package, so ``runtime``, ``kernels``, ``memory`` and ``parallel`` may ask it,
 and none of them imports ``planning`` for it.
 
-``fake_group``: exchanges over a fake process group fill their outputs with local data (the
-stand-in run). ``rehearsal``: the device-runtime seam's copies take their CUDA branch on the
-planner's stand-ins (a plan of a CUDA job). ``ops``: the project's custom ops run their Python
-bodies in the open, for the planner's tracker, and the attention ops' computations go through
-the planner's runner. ``loops``: the tile and chunk loops' shortcut on fake tensors, and what
-a visited iteration stands for. ``compiles``: plans share their compiled graphs (a search).
+- ``fake_group``: exchanges over a fake process group fill their outputs with local data (the
+  stand-in run);
+- ``rehearsal``: the device-runtime seam's copies take their CUDA branch on the planner's
+  stand-ins (a plan of a CUDA job), and compiled tile kernels run with the rehearsal's
+  torch-function mode off;
+- ``ops``: the project's custom ops run their Python bodies in the open, for the planner's
+  tracker, and the attention ops' computations go through the planner's runner;
+- ``loops``: the tile and chunk loops' shortcut on fake tensors, and what a visited iteration
+  stands for;
+- ``compiles``: the plans of a search share their compiled graphs.
 """

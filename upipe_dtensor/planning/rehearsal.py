@@ -57,9 +57,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from upipe_dtensor.kernels import fused
 from upipe_dtensor.modes.loops import repeats
-from upipe_dtensor.modes.rehearsal import rehearsing
+from upipe_dtensor.modes.rehearsal import compiled_calls_inside, rehearsing
 from upipe_dtensor.planning.step_work import add_counts
 from upipe_dtensor.planning.tracker import run_op_bodies, tensor_leaves
 from upipe_dtensor.runtime import host_store
@@ -345,7 +344,7 @@ class GpuRehearsal:
         copies as on CUDA, and device reads are recorded (while ``counting``)."""
         with (
             rehearsing(),
-            fused.compiled_calls_inside(self.functions_off),
+            compiled_calls_inside(self.functions_off),
             self._functions,
         ):
             yield
