@@ -59,8 +59,9 @@ pytest.importorskip(  # this file is written against 0.2.2's model classes
 from torchtitan.models.llama3.model.args import TransformerModelArgs  # noqa: E402
 from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis  # noqa: E402
 
-from upipe_dtensor.kernels import rope, tiling  # noqa: E402
-from upipe_dtensor.kernels.op_mode import transparent_ops  # noqa: E402
+from upipe_dtensor.kernels import rope  # noqa: E402
+from upipe_dtensor.modes import loops  # noqa: E402
+from upipe_dtensor.modes.ops import transparent_ops  # noqa: E402
 from upipe_dtensor.parallel.attention_op import ALL_GRADIENTS, AttentionParams, AttentionWeights  # noqa: E402
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward  # noqa: E402
 from upipe_dtensor.parallel.head_stages import forget_head_indices  # noqa: E402
@@ -476,7 +477,7 @@ def test_planned_loops_are_every_iteration(
     )
 
     def plan(every_chunk: bool) -> list:
-        monkeypatch.setattr(tiling, "_every_tile_when_planning", every_chunk)
+        monkeypatch.setattr(loops, "_every_tile_when_planning", every_chunk)
         forget_head_indices()  # cached on the other plan's fake tensors
         host = HostMemory(torch.device("meta"))
         params = dataclasses.replace(

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
-from upipe_dtensor.kernels.op_mode import transparent_ops
+from upipe_dtensor.modes.ops import transparent_ops
 from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention
 from upipe_dtensor.planning.tracker import LiveMemoryTracker

@@ -3,16 +3,18 @@
 The graph is static (``ast`` over ``upipe_dtensor/**/*.py``): module-level, function-level and
 type-only (``if TYPE_CHECKING:``) imports all count as edges, so neither a function-level import
 nor an annotation can hide a cycle (config/schema <-> parallel/registry hid behind one of each).
-``LAYERS`` is the order, lowest first; a module may import its own layer and those below it,
-never one above, not even for annotations. ``checkpointing`` sits above ``config``: its records
-and snapshot choices read the job's config, and the config's checks ask the folders' files
-(``models.hf_config``), not ``checkpointing``. The training job (``train``: ``setup``, ``build``,
-``parallelize``, the trainer's ``preflight``, ``resume``, ``optimizer``, ``export`` and its loop
-``trainer``) sits below ``planning``, which rehearses it on fake ranks; the GPU verification tools
-(``verify``: ``gpu_check``, ``stand_in``, ``kernel_rates``, ``evidence``) and the user commands
-(``commands``: evaluate, retrieval, convert, and the ``python -m`` modules at the package top)
-sit above it, since they may ask the planner (``gpu_check`` prints the plan beside the measured
-step). ``integrations`` (other trainers running the styles: torchtitan's) sits above them all.
+``LAYERS`` is the order, lowest first; a module may import its own layer and those below it, never
+one above, not even for annotations. ``modes`` (every mode a plan or a stand-in run turns on) sits
+just above ``errors``, so that the runtime layers ask it, never ``planning``. ``checkpointing`` sits
+above ``config``: its records and snapshot choices read the job's config, and the config's checks
+ask the folders' files (``models.hf_config``), not ``checkpointing``. The training job (``train``:
+``setup``, ``build``, ``parallelize``, the trainer's ``preflight``, ``resume``, ``optimizer``,
+``export`` and its loop ``trainer``) sits below ``planning``, which rehearses it on fake ranks; the
+GPU verification tools (``verify``: ``gpu_check``, ``stand_in``, ``kernel_rates``, ``evidence``) and
+the user commands (``commands``: evaluate, retrieval, convert, and the ``python -m`` modules at the
+package top) sit above it, since they may ask the planner (``gpu_check`` prints the plan beside the
+measured step). ``integrations`` (other trainers running the styles: torchtitan's) sits above them
+all.
 
 Cycles are refused twice: between modules, and between packages (each module mapped to its
 top-level sub-package of ``upipe_dtensor``; the modules at the package top are each their own),
@@ -38,6 +40,7 @@ PACKAGE = ROOT / "upipe_dtensor"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("errors", ("errors",)),
+    ("modes", ("modes",)),
     ("runtime", ("runtime",)),
     ("kernels", ("kernels",)),
     ("memory", ("memory",)),

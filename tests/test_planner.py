@@ -19,8 +19,8 @@ import torch
 from harness import run_on_ranks
 
 from upipe_dtensor.config import parse_args
-from upipe_dtensor.kernels import tiling
-from upipe_dtensor.kernels.op_mode import transparent_ops
+from upipe_dtensor.modes import loops as loop_modes
+from upipe_dtensor.modes.ops import transparent_ops
 from upipe_dtensor.planning.compiled import shared_compiles
 from upipe_dtensor.planning.step import (
     CUDA_CONTEXT,
@@ -406,7 +406,7 @@ def test_planning_visits_a_few_iterations_and_plans_the_same(
         ]
     )
     shortcut = plan_job(config)
-    monkeypatch.setattr(tiling, "_every_tile_when_planning", True)
+    monkeypatch.setattr(loop_modes, "_every_tile_when_planning", True)
     every_iteration = plan_job(config)
     assert shortcut.device_peak_bytes == every_iteration.device_peak_bytes
     assert shortcut.device_breakdown == every_iteration.device_breakdown

@@ -7,8 +7,8 @@ import pytest
 import torch
 from harness import rel_err
 
-from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm, tiled_rms_norm
+from upipe_dtensor.modes.ops import transparent_ops
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
 
 pytestmark = pytest.mark.unit

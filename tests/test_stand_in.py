@@ -19,13 +19,10 @@ from upipe_dtensor import gpu_check
 from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.errors import JobError
 from upipe_dtensor.models import FLAVORS
+from upipe_dtensor.modes.fake_group import local_data_in_fake_collectives
 from upipe_dtensor.parallel.all_to_all import start_sequence_to_heads
 from upipe_dtensor.planning.step import Budget, plan_job
-from upipe_dtensor.runtime.fake_process_group import (
-    LocalReduceScatter,
-    fill_as_received,
-    local_data_in_fake_collectives,
-)
+from upipe_dtensor.runtime.fake_process_group import LocalReduceScatter, fill_as_received
 from upipe_dtensor.runtime.group_backends import stages_through_host
 from upipe_dtensor.verify import stand_in
 from upipe_dtensor.verify.stand_in import (

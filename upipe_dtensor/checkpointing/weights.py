@@ -29,9 +29,6 @@ from torch.distributed.checkpoint import (
     HuggingFaceStorageReader,
     HuggingFaceStorageWriter,
 )
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files_on_every_rank,
-)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -50,6 +47,7 @@ from upipe_dtensor.models.hf_config import (
 )
 from upipe_dtensor.models.long_context import LongContextModel
 from upipe_dtensor.runtime.collectives import broadcast, on_rank0
+from upipe_dtensor.runtime.torch_private import consolidate_safetensors_files_on_every_rank
 
 T = TypeVar("T")
 

@@ -237,8 +237,7 @@ def _check_compile(config: JobConfig, fail) -> None:
     """With ``[compile] enable``, a backend torch.compile does not know would fail on every rank
     after the model is built; ask dynamo's registry, which torch.compile itself looks names up in
     (the backend is read only when compiling)."""
-    from torch._dynamo.backends.registry import list_backends, lookup_backend
-    from torch._dynamo.exc import InvalidBackend
+    from upipe_dtensor.runtime.torch_private import InvalidBackend, list_backends, lookup_backend
 
     backend = config.compile.backend
     if not config.compile.enable:

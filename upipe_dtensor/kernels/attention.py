@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from upipe_dtensor.kernels.document_blocks import segments as document_segments
 from upipe_dtensor.kernels.document_blocks import shared_document, varlen_seqlens
 from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
 from upipe_dtensor.kernels.merge import accumulation_dtype
+from upipe_dtensor.runtime.torch_private import is_fake
 
 # --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
 

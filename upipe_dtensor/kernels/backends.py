@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from upipe_dtensor.kernels import probe
 from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
 from upipe_dtensor.kernels.flash_registry import activate_backend as activate_backend  # re-export
+from upipe_dtensor.runtime.torch_private import is_fake
 
 BACKENDS = ("auto", "fa3", "fa4", "cudnn", "flash", "sdpa")
 """What a user chooses (``[parallelism] attention_backend``)."""

@@ -25,9 +25,9 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from upipe_dtensor.runtime.host_store import to_device
+from upipe_dtensor.runtime.torch_private import is_fake, unset_fake_temporarily
 
 T = TypeVar("T")
 

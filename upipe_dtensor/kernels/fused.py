@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from upipe_dtensor.kernels.op_mode import compile_is_tracing
+from upipe_dtensor.modes.rehearsal import around_compiled_calls
 
 _backend: str | None = None
-_around_calls: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def use_backend(backend: str | None) -> None:
@@ -48,21 +48,6 @@ def restored_backend() -> Iterator[None]:
         use_backend(previous)
 
 
-@contextlib.contextmanager
-def compiled_calls_inside(
-    context: Callable[[], contextlib.AbstractContextManager],
-) -> Iterator[None]:
-    """Run every compiled ``@fused`` call inside ``context()`` while this is on: the planner's
-    GPU rehearsal takes its torch-function mode off there, since dynamo traces the torch-function
-    modes it finds (``planning.rehearsal``)."""
-    global _around_calls
-    previous, _around_calls = _around_calls, context
-    try:
-        yield
-    finally:
-        _around_calls = previous
-
-
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, compiled with the backend of ``use_backend`` (once per backend) when one is set."""
     compiled: dict[str, Callable[..., Any]] = {}
@@ -73,7 +58,7 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
         if _backend not in compiled:
             compiled[_backend] = torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
-        with _around_calls():
+        with around_compiled_calls()():  # the planner's rehearsal: its mode off (modes)
             return compiled[_backend](*args)
 
     return run

@@ -24,8 +24,12 @@ from upipe_dtensor.kernels.op_mode import project_ops
 def register_inductor_fallbacks() -> None:
     """Register every project op with inductor as the fallback (eager call) it would get on first
     use; ops inductor already lowers are left alone. Call before compiling."""
-    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
-    from torch._library.utils import get_layout_constraint_tag
+    from upipe_dtensor.runtime.torch_private import (
+        get_layout_constraint_tag,
+        lowerings,
+        make_fallback,
+        tag_to_layout_constraint,
+    )
 
     for op in project_ops():
         if op not in lowerings:

@@ -5,18 +5,19 @@ that ``torch.compile`` cannot reorder them; the price is that a ``TorchDispatchM
 op's outputs, not the per-stage buffers inside it. Inside ``transparent_ops()`` the same Python
 bodies run through a plain autograd Function instead, so every allocation they make reaches the
 dispatch modes (the memory planner's tracker, FakeTensorMode). Numbers are identical either way.
+The mode is the planner's, in ``modes.ops``; ``call`` asks it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-_transparent = False
+from upipe_dtensor.modes.ops import ops_transparent
+from upipe_dtensor.runtime.torch_private import OpOverload, is_fx_symbolic_tracing
 
 
 @dataclass(frozen=True)
@@ -33,22 +34,12 @@ class OpSpec:
         _SPECS[self.op._opoverload] = self
 
 
-_SPECS: dict[torch._ops.OpOverload, OpSpec] = {}
+_SPECS: dict[OpOverload, OpSpec] = {}
 
 
-def project_ops() -> dict[torch._ops.OpOverload, OpSpec]:
+def project_ops() -> dict[OpOverload, OpSpec]:
     """Every registered op (``torch.ops.upipe.*``), by the overload a compiled graph calls."""
     return dict(_SPECS)
-
-
-@contextlib.contextmanager
-def transparent_ops() -> Iterator[None]:
-    global _transparent
-    previous, _transparent = _transparent, True
-    try:
-        yield
-    finally:
-        _transparent = previous
 
 
 class _Transparent(torch.autograd.Function):
@@ -70,14 +61,14 @@ def compile_is_tracing() -> bool:
     torch 2.11 does not while AOT autograd traces, where only FX's tracing flag is up (a nested
     ``torch.compile`` there raises "Detected that you are using FX to symbolically trace a
     dynamo-optimized function"). ``is_compiling`` first: under dynamo nothing else is read."""
-    return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+    return torch.compiler.is_compiling() or is_fx_symbolic_tracing()
 
 
 def call(spec: OpSpec, *args):
     """``spec.op(*args)``, or its body when ops are transparent (with the op's own autograd).
     While ``torch.compile`` traces, always the op: a compiled graph calls it, and a planned
     compiled graph runs its body (``planning.compiled``)."""
-    if compile_is_tracing() or not _transparent:  # compiling first: no guard on it
+    if compile_is_tracing() or not ops_transparent():  # compiling first: no guard on it
         return spec.op(*args)
     if spec.backward is None:  # a backward op: already running inside autograd's backward
         return spec.body(*args)

@@ -12,7 +12,8 @@ a skipped chunk leaves in host memory is parked as a stand-in (``in_order``).
 
 What the planner *counts* (FLOPs, bytes: ``planning.step_work``) must cover every iteration, so
 while a visited iteration runs, ``repeats()`` says how many real ones it stands for: the second
-visit stands for every middle iteration (loops nest, so the factors multiply).
+visit stands for every middle iteration (loops nest, so the factors multiply). Both the shortcut's
+switch and ``repeats()`` are planner modes, in ``modes.loops``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
-_every_tile_when_planning = False
-_repeats = 1.0
-
-
-def repeats() -> float:
-    """How many real iterations the running one stands for (1 outside shortened loops)."""
-    return _repeats
+from upipe_dtensor.modes.loops import every_tile_when_planning, repeats, set_repeats
+from upipe_dtensor.runtime.torch_private import is_fake
 
 
 class _Visits(list):
@@ -40,14 +35,13 @@ class _Visits(list):
         self.weights = weights
 
     def __iter__(self):
-        global _repeats
-        outer = _repeats
+        outer = repeats()
         try:
             for value, weight in zip(list.__iter__(self), self.weights):
-                _repeats = outer * weight
+                set_repeats(outer * weight)
                 yield value
         finally:
-            _repeats = outer
+            set_repeats(outer)
 
 
 def visited(like: Tensor, steps: range, stands_for: float | None = None) -> list[int] | range:
@@ -58,7 +52,7 @@ def visited(like: Tensor, steps: range, stands_for: float | None = None) -> list
     if torch.compiler.is_compiling():  # traced by torch.compile: every step, as at run time
         return steps
     total = len(steps) if stands_for is None else stands_for
-    if is_fake(like) and not _every_tile_when_planning and len(steps) > 3:
+    if is_fake(like) and not every_tile_when_planning() and len(steps) > 3:
         return _Visits([steps[0], steps[1], steps[-1]], [1.0, total - 2, 1.0])
     if total != len(steps):  # the second (or only) step takes the difference, as above
         weights = [1.0] * len(steps)
@@ -73,16 +67,15 @@ def in_order(visits: list[int] | range, steps: range) -> Iterator[tuple[int, boo
     visited runs with ``repeats()`` 0, for a loop whose skipped iterations still leave memory
     behind (FPDT's host copies of every chunk): the stand-ins it makes for them cost memory and
     count no work, which the visited steps count."""
-    global _repeats
     weights = dict(zip(visits, getattr(visits, "weights", [1.0] * len(visits))))
-    outer = _repeats
+    outer = repeats()
     try:
         for step in steps:
             weight = weights.get(step)
-            _repeats = outer * (0.0 if weight is None else weight)
+            set_repeats(outer * (0.0 if weight is None else weight))
             yield step, weight is not None
     finally:
-        _repeats = outer
+        set_repeats(outer)
 
 
 def tile_starts(like: Tensor, total: int, tile: int) -> list[int] | range:

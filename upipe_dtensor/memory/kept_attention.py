@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from upipe_dtensor.runtime.host_store import HostMemory
+from upipe_dtensor.runtime.torch_private import current_graph_task_id
 
 KeepAttention = Literal["none", "host", "device"]
 
@@ -45,7 +46,7 @@ _NAMED: weakref.WeakValueDictionary[str, KeptAttention] = weakref.WeakValueDicti
 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread (a checkpoint's recompute)."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 class KeptAttention:

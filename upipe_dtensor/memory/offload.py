@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
 from upipe_dtensor.runtime.host_store import HostStore, Parked
+from upipe_dtensor.runtime.torch_private import checkpoint_wrapper
 
 
 @dataclass

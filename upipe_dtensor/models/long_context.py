@@ -19,11 +19,10 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
+from upipe_dtensor.runtime.torch_private import CHECKPOINT_PREFIX, is_fake
 
 IGNORE_INDEX = -100
 EVAL_CHUNK_TOKENS = 4096
@@ -199,9 +198,7 @@ def init_sharded_weights(model: LongContextModel, *, seed: int, device: torch.de
 def _copy_shards(target: nn.Module, source: nn.Module) -> None:
     """target.param <- this rank's shard of source.param, for every parameter of ``source``."""
     # Checkpoint wrappers nest the block one level down; state dicts hide that, so do we.
-    params = {
-        name.replace(f"{_CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()
-    }
+    params = {name.replace(f"{CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()}
     for name, full in source.named_parameters():
         param = params[name]
         if isinstance(param, DTensor):

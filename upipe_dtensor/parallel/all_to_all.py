@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from upipe_dtensor.runtime.fake_process_group import fill_as_received
+from upipe_dtensor.runtime.torch_private import resolve_process_group
 
 
 class Exchange:
@@ -118,4 +118,4 @@ def start_heads_to_sequence(
 
 def _group(group_name: str) -> dist.ProcessGroup:
     """The process group a custom op's string argument names (``head_stages.resolve_group``)."""
-    return _resolve_process_group(group_name)
+    return resolve_process_group(group_name)

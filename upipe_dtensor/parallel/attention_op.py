@@ -33,11 +33,10 @@ breaks ``retain_graph``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import typing
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +46,7 @@ from torch import Tensor
 from upipe_dtensor.kernels.merge import accumulation_dtype
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.memory.kept_attention import in_backward, kept_forward
+from upipe_dtensor.modes.ops import computation_runner
 
 
 class AttentionWeights(NamedTuple):
@@ -151,28 +151,12 @@ def _flat(params: AttentionParams) -> tuple:
     return tuple(getattr(params, f.name) for f in _PARAM_FIELDS)
 
 
-ComputationRunner = Callable[[str, tuple, Callable[[], tuple[Tensor, ...]]], tuple[Tensor, ...]]
-"""``runner(name, args, compute)``: ``compute()``, an op's computation on the op's arguments
-``args``, or what stands for it (``planning.replay``)."""
-_runner: ComputationRunner | None = None
-
-
-@contextlib.contextmanager
-def computations_run_by(runner: ComputationRunner) -> Iterator[None]:
-    """Attention computations (each op's forward without kept attention, and its backward) go
-    through ``runner`` here: the memory planner replays one traced on the same arguments."""
-    global _runner
-    previous, _runner = _runner, runner
-    try:
-        yield
-    finally:
-        _runner = previous
-
-
 def _computed(
     name: str, args: tuple, compute: Callable[[], tuple[Tensor, ...]]
 ) -> tuple[Tensor, ...]:
-    return compute() if _runner is None else _runner(name, args, compute)
+    """``compute()``, or what the planner's runner makes of it (``modes.ops``)."""
+    runner = computation_runner()
+    return compute() if runner is None else runner(name, args, compute)
 
 
 class AttentionOp:

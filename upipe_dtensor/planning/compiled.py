@@ -37,11 +37,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from upipe_dtensor.kernels.fused import restored_backend
 from upipe_dtensor.kernels.op_mode import project_ops
+from upipe_dtensor.modes.compiles import compiles_shared, sharing_compiles
 from upipe_dtensor.planning.tracker import untracked
+from upipe_dtensor.runtime.torch_private import (
+    OpOverload,
+    current_dispatch_mode_stack,
+    dynamo_config,
+    dynamo_reset,
+)
 
 PLANNER_BACKEND = "upipe_planned_inductor"
 """The dynamo backend name the planner compiles blocks with (registered by ``register``)."""
@@ -67,10 +73,10 @@ class _Kernel:
 
 def _is_extern(node: fx.Node) -> bool:
     """An op inductor calls rather than generates code for."""
-    from torch._inductor.lowering import fallbacks, lowerings
+    from upipe_dtensor.runtime.torch_private import fallbacks, lowerings
 
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     if target.namespace not in ("aten", "prims"):
         return True
@@ -80,9 +86,7 @@ def _is_extern(node: fx.Node) -> bool:
 def _is_alias(node: fx.Node) -> bool:
     """A view or an element of a tuple: no kernel, no memory."""
     target = node.target
-    return target is operator.getitem or (
-        isinstance(target, torch._ops.OpOverload) and target.is_view
-    )
+    return target is operator.getitem or (isinstance(target, OpOverload) and target.is_view)
 
 
 def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -324,7 +328,7 @@ class Replay:
             nbytes += _nbytes(value)
         for node in kernel.aliases:
             env[node] = self.call(node, env)
-        for mode in _get_current_dispatch_mode_stack():
+        for mode in current_dispatch_mode_stack():
             count = getattr(mode, "count_fused_kernel", None)
             if count is not None:
                 count(nbytes)
@@ -334,13 +338,15 @@ def _replay(
     gm: fx.GraphModule, example_inputs, is_inference: bool = False, is_backward: bool = False
 ) -> Replay:
     """A "compiler" for AOTAutograd: inductor's post-grad passes, then ``Replay``."""
-    from torch._guards import detect_fake_mode
-    from torch._inductor.compile_fx import _recursive_post_grad_passes
-    from torch._inductor.utils import get_donated_idxs
-    from torch._inductor.virtualized import V
+    from upipe_dtensor.runtime.torch_private import (
+        V,
+        detect_fake_mode,
+        get_donated_idxs,
+        recursive_post_grad_passes,
+    )
 
     with V.set_fake_mode(detect_fake_mode(example_inputs)):
-        _recursive_post_grad_passes(gm, is_inference)
+        recursive_post_grad_passes(gm, is_inference)
     gm.recompile()
     return Replay(gm, frozenset(get_donated_idxs() or ()) if is_backward else frozenset())
 
@@ -349,9 +355,7 @@ def planned_inductor(gm: fx.GraphModule, example_inputs: list) -> object:
     """The dynamo backend: inductor's AOTAutograd set-up, graphs replayed (module docstring)."""
     import functools
 
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.compile_fx import partition_fn
-    from torch._inductor.decomposition import select_decomp_table
+    from upipe_dtensor.runtime.torch_private import aot_autograd, partition_fn, select_decomp_table
 
     return aot_autograd(
         fw_compiler=_replay,
@@ -365,17 +369,15 @@ def planned_inductor(gm: fx.GraphModule, example_inputs: list) -> object:
 
 def register() -> None:
     """Make ``PLANNER_BACKEND`` a dynamo backend name (once)."""
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    from upipe_dtensor.runtime.torch_private import COMPILER_FNS, register_backend
 
-    if PLANNER_BACKEND not in _COMPILER_FNS:
+    if PLANNER_BACKEND not in COMPILER_FNS:
         register_backend(planned_inductor, name=PLANNER_BACKEND)
 
 
 RECOMPILE_LIMIT = 1024
 """Graphs dynamo may hold per function while planning (its default is 8): plans sharing their
 graphs (``shared_compiles``) add a few each, for new lengths, tile sizes and head stages."""
-
-_shared = False
 
 
 @contextlib.contextmanager
@@ -386,16 +388,15 @@ def shared_compiles() -> Iterator[None]:
     every block and tile kernel again: plans at the same length compile about a third of a plan's
     time less, at another length the full-size tiles' kernels are still kept. Dynamo's caches are
     empty when the outermost scope begins and ends, as around a single plan."""
-    global _shared
-    previous, _shared = _shared, True
-    if not previous:
-        torch._dynamo.reset()
+    previous = compiles_shared()
     try:
-        yield
+        with sharing_compiles():
+            if not previous:
+                dynamo_reset()
+            yield
     finally:
-        _shared = previous
         if not previous:
-            torch._dynamo.reset()
+            dynamo_reset()
 
 
 @contextlib.contextmanager
@@ -411,10 +412,10 @@ def fresh_compiles(enabled: bool) -> Iterator[None]:
             yield
             return
         register()
-        if not _shared:
-            torch._dynamo.reset()
+        if not compiles_shared():
+            dynamo_reset()
         try:
-            with torch._dynamo.config.patch(
+            with dynamo_config.patch(
                 automatic_dynamic_shapes=False,
                 recompile_limit=RECOMPILE_LIMIT,
                 accumulated_recompile_limit=RECOMPILE_LIMIT,
@@ -422,5 +423,5 @@ def fresh_compiles(enabled: bool) -> Iterator[None]:
             ):
                 yield
         finally:
-            if not _shared:
-                torch._dynamo.reset()
+            if not compiles_shared():
+                dynamo_reset()

@@ -46,6 +46,7 @@ from upipe_dtensor.config import JobConfig
 from upipe_dtensor.memory.offload import offloads_group
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
+from upipe_dtensor.runtime.torch_private import queue_backward_callback
 from upipe_dtensor.train.parallelize import keeps_attention, reshards_after_forward
 
 ELIDED = "elided_layers"
@@ -258,7 +259,7 @@ class ElidedBlocks:
         optimizer.register_step_post_hook(self._after_step)
 
     def _at_end_of_backward(self, _module, _grad_output) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._gradients)
+        queue_backward_callback(self._gradients)
 
     def _gradients(self) -> None:
         """Each stand-in's gradient, once its template has one (as FSDP2 assigns them: the

@@ -32,7 +32,7 @@ place tensors as the CUDA job does:
 
 The copies of the project's one device-runtime seam (``runtime.host_store``) are non_blocking from
 pinned memory on CUDA; rehearsing, the seam makes the same calls on its stand-ins and marks their
-buffers as pinned (``host_store.rehearsing``), so a blocking or pageable copy there is seen too.
+buffers as pinned (``modes.rehearsal``), so a blocking or pageable copy there is seen too.
 
 What it cannot see: CUDA calls that have no fake equivalent (``torch.cuda.synchronize``, event and
 stream waits; the project's step makes none outside FSDP2's, which is counted), syncs inside
@@ -54,17 +54,27 @@ from pathlib import PurePath
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from upipe_dtensor.kernels import fused
-from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.modes.loops import repeats
+from upipe_dtensor.modes.rehearsal import compiled_calls_inside, rehearsing
 from upipe_dtensor.planning.step_work import add_counts
 from upipe_dtensor.planning.tracker import run_op_bodies, tensor_leaves
 from upipe_dtensor.runtime import host_store
+from upipe_dtensor.runtime.torch_private import (
+    DataDependentOutputException,
+    TorchDispatchMode,
+    TorchDispatchModeKey,
+    current_graph_task_id,
+    device_constructors,
+    engine_run_backward,
+    get_dispatch_mode,
+    is_fake,
+    is_torch_function_mode_enabled,
+    pop_torch_function_mode,
+    push_torch_function_mode,
+)
 
 _READS = {
     Tensor.item: ".item()",
@@ -236,7 +246,7 @@ class GpuRehearsal:
 
         def gradient_arrived(param: Tensor) -> None:
             self.hold_on_host([param.grad])
-            task = torch._C._current_graph_task_id()
+            task = current_graph_task_id()
             if self.counting and task not in self._offload_waits:
                 self._offload_waits.add(task)
                 self._sync(*FSDP_OFFLOAD_WAIT)
@@ -266,19 +276,19 @@ class GpuRehearsal:
     def functions_off(self) -> Iterator[None]:
         """This rehearsal's torch-function mode (and the modes above it) off for a while."""
         popped = []
-        while torch.overrides._is_torch_function_mode_enabled():
-            popped.append(torch.overrides._pop_mode())
+        while is_torch_function_mode_enabled():
+            popped.append(pop_torch_function_mode())
             if popped[-1] is self._functions:
                 break
         else:  # not on the stack: nothing to take off
             for mode in reversed(popped):
-                torch.overrides._push_mode(mode)
+                push_torch_function_mode(mode)
             popped = []
         try:
             yield
         finally:
             for mode in reversed(popped):
-                torch.overrides._push_mode(mode)
+                push_torch_function_mode(mode)
 
     # -- recording -----------------------------------------------------------------------------
 
@@ -333,8 +343,8 @@ class GpuRehearsal:
         """The rehearsed step: factories without a device make host tensors, the host store
         copies as on CUDA, and device reads are recorded (while ``counting``)."""
         with (
-            host_store.rehearsing(),
-            fused.compiled_calls_inside(self.functions_off),
+            rehearsing(),
+            compiled_calls_inside(self.functions_off),
             self._functions,
         ):
             yield
@@ -395,14 +405,14 @@ class _Functions(TorchFunctionMode):
     def __init__(self, owner: GpuRehearsal) -> None:
         super().__init__()
         self.owner = owner
-        self._constructors = _device_constructors()
+        self._constructors = device_constructors()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         owner = self.owner
         if func is Tensor.backward:
             return self._backward(*args, **kwargs)
-        faking = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        faking = get_dispatch_mode(TorchDispatchModeKey.FAKE) is not None
         if faking and func in self._constructors:
             device = kwargs.get("device")
             from_tensor = func in _DATA_FACTORIES and args and isinstance(args[0], Tensor)
@@ -432,7 +442,7 @@ class _Functions(TorchFunctionMode):
         unobserved: the engine is started here, as ``torch.autograd.backward`` starts it."""
         gradient = torch.ones_like(tensor) if gradient is None else gradient
         with self:
-            torch.autograd.graph._engine_run_backward(
+            engine_run_backward(
                 (tensor,),
                 (gradient,),
                 create_graph if retain_graph is None else retain_graph,

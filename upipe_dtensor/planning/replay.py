@@ -5,7 +5,7 @@ Every traced block runs the same attention op on arguments of the same shapes, i
 in its checkpoint's recompute and in its backward, and on fake tensors the op's body always does
 the same thing: the same buffers allocated and freed in the same order, the same kernels,
 collectives and host copies. So ``ComputationReplay`` (installed by ``planning.step`` through
-``parallel.attention_op.computations_run_by``) runs an op's computation in full, records what
+``modes.ops.computations_run_by``) runs an op's computation in full, records what
 the live-tensor tracker, the step-work counter and the GPU rehearsal saw of it, and for a later
 call on arguments alike (shapes, strides, dtypes, devices, which arguments share storage, plain
 values, and the state of the counting) plays the record instead: the tracker's allocations and
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.modes.loops import repeats
 from upipe_dtensor.planning.rehearsal import GpuRehearsal, RehearsalReport
 from upipe_dtensor.planning.step_work import StepWork, StepWorkCounter
 from upipe_dtensor.planning.tracker import LiveMemoryTracker, Recording, untracked

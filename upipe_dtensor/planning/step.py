@@ -29,14 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
-from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
-from upipe_dtensor.parallel.attention_op import computations_run_by
+from upipe_dtensor.modes.ops import computations_run_by, transparent_ops
 from upipe_dtensor.parallel.head_stages import forget_head_indices
 from upipe_dtensor.planning import compiled as planned_compile
 from upipe_dtensor.planning.depth import DepthReduction, ElidedBlocks, reduce_depth
@@ -50,6 +48,7 @@ from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker, Peak
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
 from upipe_dtensor.runtime.group_backends import backend_device_types
 from upipe_dtensor.runtime.process_group import process_group_backend
+from upipe_dtensor.runtime.torch_private import FakeTensorMode, current_graph_task_id
 from upipe_dtensor.train.build import Placement
 from upipe_dtensor.train.parallelize import describe_cp_style
 from upipe_dtensor.train.setup import build_meshes, holds_host_tensors
@@ -316,7 +315,7 @@ def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
         def hook(_module, _args):
             if torch.compiler.is_compiling():  # inside a compiled block: its wrapper tells
                 return
-            backward = torch._C._current_graph_task_id() != -1
+            backward = current_graph_task_id() != -1
             tracker.when = f"{'backward (recompute)' if backward else 'forward'}, block {name}"
             tracker.in_head = False
 
@@ -339,7 +338,7 @@ def _watch_progress(trainer: Trainer, tracker: LiveMemoryTracker) -> None:
         return hook
 
     def head(_module, _args):
-        backward = torch._C._current_graph_task_id() != -1
+        backward = current_graph_task_id() != -1
         tracker.when = f"{'backward' if backward else 'forward'}, output head and loss"
         tracker.in_head = True
 

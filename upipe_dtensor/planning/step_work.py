@@ -34,12 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from upipe_dtensor.config import ConfigError
-from upipe_dtensor.kernels.tiling import repeats
+from upipe_dtensor.modes.loops import repeats
 from upipe_dtensor.planning.tracker import (
     OFFLOAD,
     is_untracked,
@@ -47,6 +45,7 @@ from upipe_dtensor.planning.tracker import (
     run_op_bodies,
     tensor_leaves,
 )
+from upipe_dtensor.runtime.torch_private import TorchDispatchMode, resolve_process_group
 
 aten = torch.ops.aten
 _MATMULS = {
@@ -319,7 +318,7 @@ def attention_flops(func, args, kwargs=None) -> tuple[str, str, float] | None:
 
 def _group_of(func, args) -> dist.ProcessGroup | None:
     if func.namespace == "_c10d_functional":  # the group's name, the last positional argument
-        return _resolve_process_group(args[-1])
+        return resolve_process_group(args[-1])
     for arg in args:
         if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
             return dist.ProcessGroup.unbox(arg)

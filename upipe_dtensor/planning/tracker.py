@@ -4,7 +4,7 @@ allocated it, with the peak and what was alive at the peak.
 A ``TorchDispatchMode`` sees each op's outputs; a storage is counted from the op that creates it
 until it is freed (a weak-reference finaliser), so views and in-place ops cost nothing, exactly
 as in a caching allocator without fragmentation. It works on real tensors and on fake ones (the
-planner), and with ``kernels.op_mode.transparent_ops()`` it also sees the buffers inside the
+planner), and with ``modes.ops.transparent_ops()`` it also sees the buffers inside the
 project's custom ops (the per-stage UPipe buffers are the point of UPipe).
 
 Labels come from the Python call stack at allocation time: the attention, MLP and loss code of this
@@ -32,9 +32,9 @@ from pathlib import PurePath
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from upipe_dtensor.kernels.op_mode import project_ops
+from upipe_dtensor.runtime.torch_private import TorchDispatchMode
 
 MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
     "parameters + gradients + optimizer state",

@@ -4,8 +4,9 @@ stand-in run (``verify.stand_in``) runs it with real tensors on one device, as r
 
 torch registers the ``"fake"`` backend, and defines the ``FakeStore`` it is initialised with, in
 a private test module (``torch.testing._internal.distributed.fake_pg``): importing that module is
-what makes ``init_process_group("fake")`` work. This is the package's one import of it, so a
-torch release that moves it breaks here, with a message saying so, and not inside a plan.
+what makes ``init_process_group("fake")`` work. The package imports it in one place,
+``runtime.torch_private.fake_store``, so a torch release that moves it breaks there, with a
+message saying so, and not inside a plan.
 
 What a fake collective leaves in its output (torch 2.11 and 2.13, read off CPU runs): an
 all-gather copies the local shard into every chunk and an all-reduce keeps the local value, but
@@ -16,45 +17,25 @@ timings. Inside ``local_data_in_fake_collectives`` the exchanges this package ma
 outputs with the local data instead (``fill_as_received``: the all-to-all's and the ring's
 receive buffers get what this rank sent; ``LocalReduceScatter``: FSDP2's gradient shards get
 this rank's own chunk, not the sum over ranks), so every value stays finite and of the
-magnitudes a real step has. A plan never turns it on: its fake tensors hold no data.
+magnitudes a real step has. A plan never turns it on: its fake tensors hold no data. The mode
+lives in ``modes.fake_group``, with the planner's and the stand-in's other modes.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-PRIVATE_MODULE = "torch.testing._internal.distributed.fake_pg"
-_filling = False
+from upipe_dtensor.modes.fake_group import filling
+from upipe_dtensor.runtime.torch_private import fake_store
 
 
 def init_fake_process_group(world_size: int) -> None:
     """Initialise the default process group as rank 0 of ``world_size`` fake ranks."""
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as err:
-        raise ImportError(
-            f"torch {torch.__version__} has no {PRIVATE_MODULE}.FakeStore, which registers the "
-            "fake process group the planner lays its ranks out on; this torch moved it: point "
-            "upipe_dtensor/runtime/fake_process_group.py at its new home"
-        ) from err
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-
-
-@contextlib.contextmanager
-def local_data_in_fake_collectives() -> Iterator[None]:
-    """Inside, exchanges over a fake group fill their outputs with local data (module
-    docstring): the stand-in run's steps stay finite."""
-    global _filling
-    previous, _filling = _filling, True
-    try:
-        yield
-    finally:
-        _filling = previous
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store())
 
 
 def is_fake(group: dist.ProcessGroup | None) -> bool:
@@ -66,7 +47,7 @@ def fill_as_received(received: Sequence[Tensor], sent: Sequence[Tensor], group) 
     """Where a stand-in run exchanges over a fake ``group``, copy each sent tensor into the
     buffer the exchange receives into (same shapes), as the real exchange would write there;
     elsewhere nothing."""
-    if _filling and is_fake(group):
+    if filling() and is_fake(group):
         for into, data in zip(received, sent, strict=True):
             into.copy_(data)
 

@@ -16,39 +16,25 @@ on the compute stream, so the caching allocator can reuse its memory there, and 
 stream (``record_stream`` keeps it alive for that stream); the compute stream, never the CPU, waits
 for each copy's event; a host buffer goes back to the pool at once, and the side stream that
 writes it next waits on the device for the copies that last read it: the host never waits.
-The planner rehearses a CUDA job through the same calls (``rehearsing``): its copies carry the
+The planner rehearses a CUDA job through the same calls (``modes.rehearsal``): its copies carry the
 CUDA branch's ``non_blocking`` flag and its stand-in buffers count as pinned.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
-_rehearsing = False
+from upipe_dtensor.modes.rehearsal import is_rehearsing
+from upipe_dtensor.runtime.torch_private import is_fake
+
 _PINNED_STAND_INS: dict[int, weakref.ref] = {}
 """Host stand-ins (fake or ``meta`` tensors' storages) that play pinned buffers while the planner
 rehearses a CUDA job."""
-
-
-@contextlib.contextmanager
-def rehearsing() -> Iterator[None]:
-    """The planner rehearses a CUDA job on stand-ins (``planning.rehearsal``): inside, this seam's
-    copies carry the CUDA branch's flags (``non_blocking``, from buffers it pins) on the stand-ins,
-    and its buffers count as pinned, so the rehearsal sees the copies CUDA would make."""
-    global _rehearsing
-    previous, _rehearsing = _rehearsing, True
-    try:
-        yield
-    finally:
-        _rehearsing = previous
 
 
 def _mark_pinned(tensor: Tensor) -> None:
@@ -77,7 +63,7 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
         return tensor
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
-    if _rehearsing:  # the CUDA branch on stand-ins: a pinned copy, then an async one
+    if is_rehearsing():  # the CUDA branch on stand-ins: a pinned copy, then an async one
         staged = tensor.clone()
         _mark_pinned(staged)
         return staged.to(device, non_blocking=True)
@@ -162,7 +148,7 @@ class HostStore:
             self._pinned.append(buffer)
         else:
             buffer = torch.empty(like.shape, dtype=like.dtype, device=self.host_device)
-            if _rehearsing:
+            if is_rehearsing():
                 _mark_pinned(buffer)
         self.host_bytes += buffer.nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
@@ -182,7 +168,7 @@ class HostStore:
                 event = torch.cuda.Event()
                 event.record()
         else:
-            host.copy_(tensor, non_blocking=_rehearsing)
+            host.copy_(tensor, non_blocking=is_rehearsing())
         return Parked(host, tensor.device, event)
 
     def prefetch(self, parked: Parked) -> None:
@@ -190,7 +176,9 @@ class HostStore:
         if parked.on_device is not None:
             return
         if self._to_device is None:  # a real copy even on CPU: the host buffer may be reused
-            parked.on_device = parked.host.to(parked.device, copy=True, non_blocking=_rehearsing)
+            parked.on_device = parked.host.to(
+                parked.device, copy=True, non_blocking=is_rehearsing()
+            )
             return
         compute = torch.cuda.current_stream(self.device)
         on_device = torch.empty_like(parked.host, device=parked.device)  # the compute stream's

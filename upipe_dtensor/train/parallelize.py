@@ -141,7 +141,7 @@ def compile_report(backend: str) -> str:
     """What compiling cost this process so far, for the log after the first step: dynamo's graphs
     (one per distinct block, which every such block runs, and the tiled ops' fused kernels) and
     the wall time of compiling them, forward and backward (dynamo's own accounting)."""
-    from torch._dynamo.utils import calculate_time_spent, counters
+    from upipe_dtensor.runtime.torch_private import calculate_time_spent, counters
 
     graphs = counters["stats"]["unique_graphs"]
     seconds = calculate_time_spent().get("total_wall_time", 0.0)

@@ -56,15 +56,15 @@ import torch
 import torch.distributed as dist
 
 from upipe_dtensor.config import ConfigError, JobConfig, parse_args
-from upipe_dtensor.kernels.op_mode import transparent_ops
 from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.modes.fake_group import local_data_in_fake_collectives
+from upipe_dtensor.modes.ops import transparent_ops
 from upipe_dtensor.planning.hardware import GPU_PROFILES, load_profile
 from upipe_dtensor.planning.step import NCCL_BUFFERS, Budget, plan_job, tracked_step
 from upipe_dtensor.planning.tracker import LiveMemoryTracker
 from upipe_dtensor.runtime.fake_process_group import (
     init_fake_process_group,
     keep_fsdp_gradients_finite,
-    local_data_in_fake_collectives,
 )
 from upipe_dtensor.train.build import configure_allocator, resolve_attention
 from upipe_dtensor.train.setup import Placement, build_meshes

@@ -10,12 +10,12 @@ from typing import Annotated, Any
 import torch
 import tyro
 from torch import Tensor, nn
-from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 from upipe_dtensor.kernels.backends import BACKENDS
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.parallel.registry import STYLES, make_style, option_types, style_name
 from upipe_dtensor.parallel.style_options import Geometry, OptionError
+from upipe_dtensor.runtime.torch_private import head_tail_indices
 
 
 @dataclass
@@ -87,7 +87,7 @@ def torchtitan_layout(balancer: str | None, seq_len: int, cp_degree: int) -> lis
     the batch's flex block masks (which the styles do not take)."""
     order = torch.arange(seq_len)
     if balancer == "headtail":
-        order = order[_HeadTailLoadBalancer(seq_len, cp_degree, "cpu")._generate_indices()[0]]
+        order = order[head_tail_indices(seq_len, cp_degree)]
     elif balancer is not None:
         return None
     return list(order.chunk(cp_degree))

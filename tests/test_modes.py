@@ -1,0 +1,104 @@
+"""The planner's and the stand-in's modes live in ``upipe_dtensor.modes`` (issue 48): no module
+reads or sets another module's private module-level variable (a mode kept as a global), and the
+modes package imports nothing else of the package, so every runtime layer may ask it.
+
+The scan is static (``ast``), like ``test_layering``'s: ``from m import _x`` and ``m._x`` (``m``
+bound to a module of the package) where ``_x`` is assigned at ``m``'s module level.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+
+import pytest
+import torch
+from test_layering import module_files
+
+pytestmark = pytest.mark.unit
+
+
+def _private_variables(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id.startswith("_"):
+                if not target.id.endswith("__"):
+                    names.add(target.id)
+    return names
+
+
+def test_no_module_reaches_another_modules_private_variables():
+    modules = module_files()
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    private = {name: _private_variables(tree) for name, tree in trees.items()}
+    offenders = []
+    for module, tree in trees.items():
+        bound: dict[str, str] = {}  # local name -> module of the package it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in private:
+                for alias in node.names:
+                    if alias.name in private[node.module] and node.module != module:
+                        offenders.append(f"{module}:{node.lineno}: {node.module}.{alias.name}")
+                    full = f"{node.module}.{alias.name}"
+                    if full in private:
+                        bound[alias.asname or alias.name] = full
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in private and alias.asname:
+                        bound[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr in private[bound[node.value.id]]
+                and bound[node.value.id] != module
+            ):
+                offenders.append(f"{module}:{node.lineno}: {bound[node.value.id]}.{node.attr}")
+    assert not offenders, "another module's private variable (a mode belongs in modes/):\n" + (
+        "\n".join(offenders)
+    )
+
+
+def test_the_modes_import_nothing_else_of_the_package():
+    for name, path in module_files().items():
+        if name.split(".")[:2] != ["upipe_dtensor", "modes"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("upipe_dtensor"):
+                assert node.module.startswith("upipe_dtensor.modes"), (name, node.module)
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("upipe_dtensor"), (name, alias.name)
+
+
+def test_compiled_fused_calls_run_inside_the_rehearsals_context():
+    from upipe_dtensor.kernels import fused
+    from upipe_dtensor.modes.rehearsal import compiled_calls_inside
+
+    entered = []
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(1)
+        yield
+
+    @fused.fused
+    def double(x):
+        return x * 2
+
+    with fused.restored_backend():
+        fused.use_backend("eager")
+        with compiled_calls_inside(context):
+            assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+        assert entered == [1]
+        double(torch.ones(2))  # outside: the default context
+        assert entered == [1]
