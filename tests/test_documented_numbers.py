@@ -91,6 +91,8 @@ def test_every_note_names_a_command_that_exists_and_a_commit() -> None:
         ("README.md", "bash .ci/run"),
         ("memory-stack.md", "python benchmarks/attention_memory.py"),
         ("memory-stack.md", "python benchmarks/memory_stack.py"),
+        ("memory-stack.md", "python benchmarks/peer_attention.py"),
+        ("README.md", "python benchmarks/peer_attention.py"),
         ("design.md", "python benchmarks/communication_volume.py"),
         ("troubleshooting.md", "python benchmarks/data_scan.py"),
         (
@@ -139,6 +141,43 @@ def test_the_readme_headline_ratios_are_the_docs_tables() -> None:
     assert f"UPipe with U = C needs {upipe}x Ulysses' backward working memory" in readme
     assert f"UPipe x FPDT with 4 chunks {both}x" in readme
     assert f"brings the peak to {step['all'][2]}x the plain step's" in readme
+
+
+def test_the_peer_tables_are_the_stored_report_and_the_readme_quotes_them(capsys) -> None:
+    """docs/memory-stack.md's tables against DeepSpeed's Ulysses are what ``peer_attention.py
+    --table`` prints from the stored report, and the README's ratios at Llama3-8B's heads and
+    with MHA are that report's."""
+    pytest.importorskip(  # the benchmark measures torchtitan 0.2.2's attention layer
+        "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's attention layer"
+    )
+    bench = _benchmark("peer_attention")
+    stored = json.loads((BENCHMARKS / "results/peer_attention.json").read_text())
+    bench.print_tables(stored)
+    printed = capsys.readouterr().out
+    memory = (REPO / "docs/memory-stack.md").read_text()
+    tables = [t for t in printed.split("\n\n") if t.startswith("|")]
+    assert len(tables) == len(stored) >= 3
+    for table in tables:
+        assert table.strip() in memory, "paste `peer_attention.py --table` into memory-stack.md"
+
+    def ratio(geometry: tuple[int, int, int, int], row: str, mode: str) -> str:
+        (result,) = [r for r in stored if tuple(r["geometry"].values()) == geometry]
+        peaks = {r["row"]["name"]: r["peaks"] for r in result["rows"]}
+        return f"{peaks[row][mode] / peaks['DeepSpeed Ulysses'][mode]:.2f}x"
+
+    llama, mha = (32, 8, 128, 8192), (32, 32, 16, 16384)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    ulysses, upipe = "ours: Ulysses", "ours: UPipe, U = C"
+    claims = [
+        f"this project's Ulysses {ratio(llama, ulysses, 'plain')}",
+        f"UPipe with U = C {ratio(llama, upipe, 'plain')} ({ratio(llama, upipe, 'ckpt')} "
+        "checkpointed)",
+        f"with frozen weights {ratio(llama, upipe, 'plain frozen')} and "
+        f"{ratio(llama, upipe, 'ckpt frozen')}",
+        f"UPipe needs {ratio(mha, upipe, 'plain')} ({ratio(mha, upipe, 'ckpt')} checkpointed)",
+    ]
+    for claim in claims:
+        assert claim in readme, f"README: {claim!r} (benchmarks/results/peer_attention.json)"
 
 
 def test_the_benchmark_rows_run_the_style_they_name() -> None:
