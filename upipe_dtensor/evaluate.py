@@ -5,19 +5,13 @@ The command lives in ``upipe_dtensor.commands.evaluate``; this module is its nam
 line, and ``main`` is the ``upipe-evaluate`` console script's (``[project.scripts]``).
 """
 
-import sys
-
 from upipe_dtensor.commands.evaluate import main as _command
-from upipe_dtensor.runtime.errors import end_process
+from upipe_dtensor.runtime.errors import command_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command on ``argv``; returns its exit code. Without ``argv`` it is the process's
-    command (``python -m``, the console script): it reads ``sys.argv`` and ends the process with
-    the code through ``end_process``, as every entry point that may run ranks does."""
-    if argv is not None:
-        return _command(argv)
-    end_process(_command(sys.argv[1:]))
+    """The command on ``argv`` (``runtime.errors.command_main``)."""
+    return command_main(_command, argv)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,13 @@ The command lives in ``upipe_dtensor.verify.gpu_check``; this module is its name
 line, and ``main`` is the ``upipe-gpu-check`` console script's (``[project.scripts]``).
 """
 
-import sys
-
-from upipe_dtensor.runtime.errors import end_process
+from upipe_dtensor.runtime.errors import command_main
 from upipe_dtensor.verify.gpu_check import main as _command
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command on ``argv``; returns its exit code. Without ``argv`` it is the process's
-    command (``python -m``, the console script): it reads ``sys.argv`` and ends the process with
-    the code through ``end_process``, as every entry point that may run ranks does."""
-    if argv is not None:
-        return _command(argv)
-    end_process(_command(sys.argv[1:]))
+    """The command on ``argv`` (``runtime.errors.command_main``)."""
+    return command_main(_command, argv)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,16 @@ def run_main(work: Callable[[], object], *, report_on_stdout: bool = False) -> i
     return 0
 
 
+def command_main(command: Callable[[list[str]], int], argv: list[str] | None) -> int:
+    """A ``python -m`` module's ``main``: ``command`` on ``argv``, returning its exit code. Without
+    ``argv`` it is the process's command (``python -m``, the console script): it reads
+    ``sys.argv`` and ends the process with the code through ``end_process``, as every entry point
+    that may run ranks does."""
+    if argv is not None:
+        return command(argv)
+    end_process(command(sys.argv[1:]))
+
+
 def end_process(code: int) -> NoReturn:
     """End the process with ``code`` once its work is done, skipping interpreter shutdown.
 
