@@ -128,9 +128,7 @@ class ContextParallelAttention(ParallelStyle):
 
     def __new__(cls, **arguments: object) -> ContextParallelAttention:
         """An instance of the class whose op runs these options (``_running``)."""
-        names = {f.name for f in dataclasses.fields(cls.Options)}
-        options = cls.Options(**{k: v for k, v in arguments.items() if k in names})
-        return super().__new__(cls._running(options))
+        return super().__new__(cls._running(cls._split(arguments)[0]))
 
     @classmethod
     def _running(cls, options: StyleOptions) -> type[ContextParallelAttention]:
@@ -138,20 +136,19 @@ class ContextParallelAttention(ParallelStyle):
         another op (``UPipeAttention`` with ``chunk_tokens`` is ``UPipeFPDTAttention``)."""
         return cls
 
+    @classmethod
+    def _split(cls, arguments: dict[str, object]) -> tuple[StyleOptions, dict[str, object]]:
+        """The constructor's keyword arguments as the style's ``Options`` and the rest."""
+        names = {f.name for f in dataclasses.fields(cls.Options)}
+        options = cls.Options(**{k: v for k, v in arguments.items() if k in names})
+        return options, {k: v for k, v in arguments.items() if k not in names}
+
     def __init__(self, **arguments: object) -> None:
         """Keyword arguments: the style's options (``Options``: one spelling, None for unset),
         its ``SETTINGS`` and the kernels' (``backend``, ``kernel_device``, ``keep_attention``);
         ``inspect.signature(style class)`` lists them."""
-        names = {f.name for f in dataclasses.fields(self.Options)}
-        allowed = names | set(self.SETTINGS) | set(_KERNEL_ARGUMENTS)
-        unknown = sorted(set(arguments) - allowed)
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__} takes no argument {', '.join(unknown)}; it takes "
-                f"{', '.join(inspect.signature(type(self)).parameters)}"
-            )
-        options = self.Options(**{k: v for k, v in arguments.items() if k in names})
-        self._configure(options, **{k: v for k, v in arguments.items() if k not in names})
+        options, settings = self._split(arguments)
+        self._configure(options, **settings)
 
     @classmethod
     def from_options(cls, options: StyleOptions, **settings: object) -> ContextParallelAttention:
@@ -180,7 +177,10 @@ class ContextParallelAttention(ParallelStyle):
         for name, default in self.SETTINGS.items():
             setattr(self, name, settings.pop(name, default))
         if settings:
-            raise TypeError(f"{type(self).__name__} takes no argument {', '.join(settings)}")
+            raise TypeError(
+                f"{type(self).__name__} takes no argument {', '.join(sorted(settings))}; it "
+                f"takes {', '.join(inspect.signature(type(self)).parameters)}"
+            )
         options.check(Geometry(ring_degree=getattr(self, "ring_degree", None)))
         self.options = options
         self.kept = keep_attention
