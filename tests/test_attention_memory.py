@@ -62,9 +62,9 @@ from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 from upipe_dtensor.kernels import rope  # noqa: E402
 from upipe_dtensor.modes import loops  # noqa: E402
 from upipe_dtensor.modes.ops import transparent_ops  # noqa: E402
+from upipe_dtensor.modes.traces import forget_per_trace_caches  # noqa: E402
 from upipe_dtensor.parallel.attention_op import ALL_GRADIENTS, AttentionParams, AttentionWeights  # noqa: E402
 from upipe_dtensor.parallel.fpdt_attention import fpdt_backward, fpdt_forward  # noqa: E402
-from upipe_dtensor.parallel.head_stages import forget_head_indices  # noqa: E402
 from upipe_dtensor.parallel.registry import make_style  # noqa: E402
 from upipe_dtensor.parallel.staged_attention import staged_backward, staged_forward  # noqa: E402
 from upipe_dtensor.planning.step_work import StepWorkCounter  # noqa: E402
@@ -154,13 +154,13 @@ def _backward_peak(style: str, real: bool) -> int:
 @pytest.fixture
 def fake_process_group():
     """Rank 0 of C on the fake process group."""
-    forget_head_indices()  # cached on the tensors of another run (fake or real)
+    forget_per_trace_caches()  # cached on the tensors of another run (fake or real)
     dist.init_process_group("fake", rank=0, world_size=C, store=FakeStore())
     try:
         yield
     finally:
         dist.destroy_process_group()
-        forget_head_indices()
+        forget_per_trace_caches()
 
 
 @pytest.fixture
@@ -255,7 +255,7 @@ def test_planned_backward_memory(fake_group, style: str) -> None:
 def _backward_of_gradients(style: str, grads: int) -> tuple[int, int, float]:
     """(peak, bytes still allocated at the end, matmul FLOPs) of the style's backward asked for
     the gradients ``grads`` (``AttentionParams.grads``), planned as the planner counts it."""
-    forget_head_indices()  # cached on the other run's fake tensors
+    forget_per_trace_caches()  # cached on the other run's fake tensors
     host = HostMemory(torch.device("meta"))
     params = dataclasses.replace(_params(style, host, real=False), grads=grads)
     forward, backward = (
@@ -478,7 +478,7 @@ def test_planned_loops_are_every_iteration(
 
     def plan(every_chunk: bool) -> list:
         monkeypatch.setattr(loops, "_every_tile_when_planning", every_chunk)
-        forget_head_indices()  # cached on the other plan's fake tensors
+        forget_per_trace_caches()  # cached on the other plan's fake tensors
         host = HostMemory(torch.device("meta"))
         params = dataclasses.replace(
             _params(style, host, real=False),

@@ -102,3 +102,13 @@ def test_compiled_fused_calls_run_inside_the_rehearsals_context():
         assert entered == [1]
         double(torch.ones(2))  # outside: the default context
         assert entered == [1]
+
+
+def test_the_planner_empties_the_head_index_cache_through_the_modes():
+    from upipe_dtensor.modes.traces import forget_per_trace_caches
+    from upipe_dtensor.parallel.head_stages import head_index
+
+    head_index((0, 1), torch.device("cpu"))
+    assert head_index.cache_info().currsize
+    forget_per_trace_caches()
+    assert not head_index.cache_info().currsize

@@ -16,5 +16,7 @@ and none of them imports ``planning`` for it.
   tracker, and the attention ops' computations go through the planner's runner;
 - ``loops``: the tile and chunk loops' shortcut on fake tensors, and what a visited iteration
   stands for;
-- ``compiles``: the plans of a search share their compiled graphs.
+- ``compiles``: the plans of a search share their compiled graphs;
+- ``traces``: the runtime's caches of tensors (``parallel.head_stages.head_index``), emptied
+  between the planner's traces.
 """

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from upipe_dtensor.kernels.tiling import visited
+from upipe_dtensor.modes.traces import per_trace
 from upipe_dtensor.parallel.all_to_all import (
     Exchange,
     _group,
@@ -31,18 +32,13 @@ from upipe_dtensor.parallel.head_schedule import HeadSchedule, Stage, make_head_
 from upipe_dtensor.runtime.host_store import to_device
 
 
+@per_trace  # cached on one plan's fake tensors: emptied between plans (modes.traces)
 @functools.cache
 def head_index(heads: tuple[int, ...], device: torch.device) -> Tensor:
     """A stage's head indices on ``device``, built once and sent without the host waiting
     (``host_store.to_device``): a blocking host-to-GPU copy stalls the CPU until the stream
     catches up."""
     return to_device(torch.tensor(heads), device)
-
-
-def forget_head_indices() -> None:
-    """Drop the cached head indices: the memory planner's fake tensors must not outlive one plan
-    (and each plan must count the indices it creates)."""
-    head_index.cache_clear()
 
 
 def resolve_group(group_name: str, size: int) -> dist.ProcessGroup | None:

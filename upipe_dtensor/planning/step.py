@@ -35,7 +35,7 @@ from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.modes.ops import computations_run_by, transparent_ops
-from upipe_dtensor.parallel.head_stages import forget_head_indices
+from upipe_dtensor.modes.traces import forget_per_trace_caches
 from upipe_dtensor.planning import compiled as planned_compile
 from upipe_dtensor.planning.depth import DepthReduction, ElidedBlocks, reduce_depth
 from upipe_dtensor.planning.hardware import GPU_PROFILES, HardwareProfile
@@ -628,7 +628,7 @@ def _trace(
         compile=dataclasses.replace(config.compile, backend=planned_compile.PLANNER_BACKEND),
     )
     init_fake_process_group(world_size)
-    forget_head_indices()
+    forget_per_trace_caches()
     try:
         cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
         meshes = build_meshes("cpu", dp, cp, ring)
@@ -685,7 +685,7 @@ def _trace(
             attention_backend=trainer.setup.attention_backend,
         )
     finally:
-        forget_head_indices()
+        forget_per_trace_caches()
         dist.destroy_process_group()
 
 
