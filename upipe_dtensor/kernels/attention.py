@@ -31,7 +31,10 @@ from the tensors' device: aten's CUDA attention ops have meta kernels, so the me
 the tests trace the CUDA branch on fake CPU tensors (fake ``cuda`` tensors would abort autograd in
 a CPU-only build). The one thing that cannot run on fake tensors is flash-attn's compiled module:
 there its twin, aten's copy of the same FlashAttention-2 kernels (same outputs, same LSE layouts),
-is traced instead. The other device-only pieces (streams, events, pinned memory) are in
+is traced instead (``_uses_flash_attn``: a correctness need, not the planner's accounting). Meta
+kernels return only their outputs, so a CUDA backward's own workspace enters the planner's count
+at one call per backward (``kernels.traced_workspace.backward_workspace_held``, which does nothing
+on real tensors). The other device-only pieces (streams, events, pinned memory) are in
 ``runtime/host_store.py``, whose CPU twin is the same code with plain copies.
 
 Document boundaries (varlen ``cu_seqlens``, a past block's shared document) are computed once per
@@ -50,38 +53,12 @@ from upipe_dtensor.kernels.document_blocks import segments as document_segments
 from upipe_dtensor.kernels.document_blocks import shared_document, varlen_seqlens
 from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
 from upipe_dtensor.kernels.merge import accumulation_dtype
+from upipe_dtensor.kernels.traced_workspace import backward_workspace_held
 from upipe_dtensor.runtime.torch_private import is_fake
-
-# --- what the CUDA kernels allocate inside, for the memory planner --------------------------------
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def cuda_backward_workspace_bytes(q: Tensor, k: Tensor, kernel: str) -> int:
-    """Bytes a CUDA backward allocates besides its outputs, for (B, S, h, d) ``q`` and ``k``.
-    Meta kernels return only the outputs, so the planner allocates this for the call's duration.
-
-    FlashAttention-2 (``mha_bwd`` in csrc/flash_attn/flash_api.cpp, flash-attn's and aten's copy
-    alike): a float32 dQ accumulator (B, round128(Sq), hq, round32(d)) and softmax_d (B, hq,
-    round128(Sq)); with GQA, dK and dV expanded to every query head (2 x (B, Sk, hq, d) in the
-    input dtype) before being summed. FA3 (hopper/flash_api.cpp ``mha_bwd``) and FA4
-    (flash_attn/cute/interface.py ``_flash_attn_bwd``): the float32 dQ accumulator, softmax_d and
-    a log2 LSE (B, hq, round128(Sq)) each, and with GQA float32 dK and dV accumulators per KV
-    head (2 x (B, hk, round128(Sk) x round32(d))). cuDNN's and the memory-efficient kernel's
-    internal workspaces are not modelled (their sizes are not documented); their K/V are repeated
-    to the query heads in activation space, which is traced."""
-    if kernel not in ("flash", "sdpa", *REGISTRY_IMPLS) or q.dtype == torch.float32:
-        return 0
-    batch, seq_q, heads, head_dim = q.shape
-    kv_heads, rows, width = k.shape[2], _round_up(seq_q, 128), _round_up(head_dim, 32)
-    dq_accum = batch * rows * heads * width * 4
-    if kernel in REGISTRY_IMPLS:
-        kv_accum = 2 * batch * kv_heads * _round_up(k.shape[1], 128) * width * 4
-        return dq_accum + 2 * batch * heads * rows * 4 + (kv_accum if kv_heads != heads else 0)
-    expanded = 2 * batch * k.shape[1] * heads * head_dim * q.element_size()
-    return dq_accum + batch * heads * rows * 4 + (expanded if kv_heads != heads else 0)
 
 
 # --- dense blocks: one kernel call -------------------------------------------------------------
@@ -96,7 +73,8 @@ def _sum_kv_grad(grad: Tensor, n_rep: int) -> Tensor:
 
 
 def _uses_flash_attn(q: Tensor, kernel: str) -> bool:
-    """The flash-attn package runs real CUDA tensors; on fake ones its aten twin is traced."""
+    """The flash-attn package runs real CUDA tensors; its compiled module cannot run fake ones
+    (the planner's), so there its aten twin is traced: same kernels, outputs and LSE layouts."""
     return kernel == "flash" and not is_fake(q)
 
 
@@ -150,12 +128,8 @@ def _dense_backward(
     kernel: str,
     causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if kernel != "cpu" and is_fake(q):  # the planner: held through the call, as CUDA holds it
-        workspace = q.new_empty(cuda_backward_workspace_bytes(q, k, kernel), dtype=torch.uint8)
-        grads = _kernel_backward(grad_out, q, k, v, out, lse, scale, kernel, causal)
-        del workspace
-        return grads
-    return _kernel_backward(grad_out, q, k, v, out, lse, scale, kernel, causal)
+    with backward_workspace_held(q, k, kernel):  # the planner's count of the kernel's workspace
+        return _kernel_backward(grad_out, q, k, v, out, lse, scale, kernel, causal)
 
 
 def _kernel_backward(
@@ -280,17 +254,12 @@ def _varlen_backward(grad_out, q, k, v, out, lse, scale, kernel, docs):
     flat_lse = lse.transpose(0, 1).flatten(1).contiguous()
     if not _uses_flash_attn(q, kernel):
         unused = torch.empty((), dtype=torch.uint64, device=q.device)
-        # The planner: the varlen kernel's workspace (its rows are the packed documents, as
-        # many as the dense block's) held through the call, as in ``_dense_backward``.
-        workspace = (
-            q.new_empty(cuda_backward_workspace_bytes(q, k, kernel), dtype=torch.uint8)
-            if is_fake(q)
-            else None
-        )
-        grads = torch.ops.aten._flash_attention_backward(
-            *flat, flat_lse, cu, cu, longest, longest, 0.0, True, unused, unused, scale=scale
-        )
-        del workspace
+        # The varlen kernel's workspace: its rows are the packed documents, as many as the
+        # dense block's.
+        with backward_workspace_held(q, k, kernel):
+            grads = torch.ops.aten._flash_attention_backward(
+                *flat, flat_lse, cu, cu, longest, longest, 0.0, True, unused, unused, scale=scale
+            )
         return tuple(g.view_as(t) for g, t in zip(grads, (q, k, v)))
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 

@@ -87,7 +87,7 @@ class CudaAllowances:
 
     FlashAttention's backward workspace is not an allowance: the traced CUDA kernels allocate it
     in the fake step at the moment the CUDA kernel would
-    (``kernels.attention.cuda_backward_workspace_bytes``).
+    (``kernels.traced_workspace.cuda_backward_workspace_bytes``).
     """
 
     context_bytes: int = GiB
