@@ -19,4 +19,10 @@ and none of them imports ``planning`` for it.
 - ``compiles``: the plans of a search share their compiled graphs;
 - ``traces``: the runtime's caches of tensors (``parallel.head_stages.head_index``), emptied
   between the planner's traces.
+
+Not a mode but the planner's too: its count of what a CUDA attention backward allocates inside
+enters the kernels at one named call (``kernels.traced_workspace.backward_workspace_held``), kept
+there because it asks whether a tensor is fake (``runtime.torch_private``, above this package).
+Every other fake-tensor test below the planner is a branch fake tensors need to run at all;
+``tests/test_modes.py`` lists each with why, so a new one is a decision.
 """
