@@ -56,12 +56,11 @@ from upipe_dtensor.kernels.merge import accumulation_dtype
 from upipe_dtensor.kernels.traced_workspace import backward_workspace_held
 from upipe_dtensor.runtime.torch_private import is_fake
 
+# --- dense blocks: one kernel call -------------------------------------------------------------
+
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-# --- dense blocks: one kernel call -------------------------------------------------------------
 
 
 def _repeat_kv(kv: Tensor, n_rep: int) -> Tensor:
