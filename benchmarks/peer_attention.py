@@ -39,13 +39,14 @@ compared at the same global positions):
 * **time**: wall seconds of one forward and backward (plain, trainable), the median of the
   ranks': CPU time, for comparing the rows of one run, not a GPU time.
 
-Run: ``python benchmarks/peer_attention.py`` (C = 4, float32, the three geometries of
-docs/memory-stack.md: MHA 32/32 heads of 16 at S = 16K, and GQA 32/8 heads of 64 and of 128,
-Llama3-8B's, at S = 8K; about 40 minutes on 2 cores); ``--geometry H/KV/d/S`` (repeatable) for
-others, ``--rows`` to pick rows, ``--json`` for machine output, ``--table JSON`` to print the
-tables of a stored report (``benchmarks/results/peer_attention.json``, the docs' tables). The
-peers come with ``pip install -e ".[peers]"``; one that is not installed is skipped with one
-line.
+Run: ``python benchmarks/peer_attention.py`` (C = 4, float32, the four geometries of
+docs/memory-stack.md: MHA 32/32 heads of 16 at S = 16K, GQA 32/8 heads of 64 and of 128,
+Llama3-8B's, at S = 8K, and GQA 32/8 heads of 16 at S = 16K, where a rank's tokens outnumber the
+width 8 to 1 as at long context; about 50 minutes on 2 cores); ``--geometry H/KV/d/S``
+(repeatable) for others, ``--rows`` to pick rows, ``--json`` for machine output, ``--table
+JSON`` to print the tables of a stored report (``benchmarks/results/peer_attention.json``, the
+docs' tables). The peers come with ``pip install -e ".[peers]"``; one that is not installed is
+skipped with one line.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ DEFAULT_GEOMETRIES = (
     Geometry(32, 32, 16, 16384),  # MHA, small heads: N = 8 D tokens per rank
     Geometry(32, 8, 64, 8192),
     Geometry(32, 8, 128, 8192),  # Llama3-8B's heads
+    Geometry(32, 8, 16, 16384),  # GQA at N = 8 D: the weights' gradients small beside activations
 )
 
 

@@ -168,7 +168,7 @@ def test_the_peer_tables_are_the_stored_report_and_the_readme_quotes_them(capsys
         peaks = {r["row"]["name"]: r["peaks"] for r in result["rows"]}
         return f"{peaks[row][mode] / peaks['DeepSpeed Ulysses'][mode]:.2f}x"
 
-    llama, mha = (32, 8, 128, 8192), (32, 32, 16, 16384)
+    llama, mha, gqa_long = (32, 8, 128, 8192), (32, 32, 16, 16384), (32, 8, 16, 16384)
     readme = " ".join((REPO / "README.md").read_text().split())
     ulysses, upipe = "ours: Ulysses", "ours: UPipe, U = C"
     claims = [
@@ -178,6 +178,8 @@ def test_the_peer_tables_are_the_stored_report_and_the_readme_quotes_them(capsys
         f"with frozen weights {ratio(llama, upipe, 'plain frozen')} and "
         f"{ratio(llama, upipe, 'ckpt frozen')}",
         f"UPipe needs {ratio(mha, upipe, 'plain')} ({ratio(mha, upipe, 'ckpt')} checkpointed)",
+        f"context, {ratio(gqa_long, upipe, 'plain')} ({ratio(gqa_long, upipe, 'ckpt')} "
+        "checkpointed:",
     ]
     for claim in claims:
         assert claim in readme, f"README: {claim!r} (benchmarks/results/peer_attention.json)"
