@@ -17,8 +17,9 @@ the level at the start of each region. FPDT's host buffers (chunks parked by
 ``runtime.host_store``) are the same CPU memory here; they are kept out of the device numbers (by
 the frame that allocates them) and reported as what the store's pool grew by.
 
-Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=64, S=8192;
-about 4 minutes on 2 busy cores). ``--checkpoint`` runs the layer under activation checkpointing,
+Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=16, S=16384:
+4,096 tokens per rank against a width of 512, the proportions of long context, where a rank's
+activations outgrow the weights' gradients; about 5 minutes on 2 busy cores). ``--checkpoint`` runs the layer under activation checkpointing,
 as the long-context recipes do: backward recomputes the forward, whose saved output then holds
 the query gradients; without it backward takes a buffer of the output's size for them.
 """
@@ -415,11 +416,11 @@ def default_variants(
 def parse_args() -> tuple[Config, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cp", type=int, default=4, help="context-parallel degree C (processes)")
-    parser.add_argument("--seq-len", type=int, default=8192, help="total sequence length S")
+    parser.add_argument("--seq-len", type=int, default=16384, help="total sequence length S")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--n-heads", type=int, default=32)
     parser.add_argument("--n-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument(
         "--stage-sizes",

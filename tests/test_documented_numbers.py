@@ -254,7 +254,7 @@ def test_fast_documented_outputs_reproduce(tmp_path: Path, capsys, monkeypatch) 
 
 @pytest.mark.slow
 def test_attention_memory_table_reproduces() -> None:
-    """About 5 minutes on 2 cores (4 gloo ranks, S = 8192, every CP style, profiled)."""
+    """About 5 minutes on 2 cores (4 gloo ranks, S = 16384, every CP style, profiled)."""
     bench = _benchmark("attention_memory")
     report = json.loads(_run("benchmarks/attention_memory.py", "--json"))
     fresh = _cells(bench.markdown_table(*bench.rows_from_json(report)))
