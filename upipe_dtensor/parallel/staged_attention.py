@@ -69,6 +69,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from upipe_dtensor.kernels.attention import attention_backward, attention_forward
 from upipe_dtensor.kernels.backends import op_kernel
 from upipe_dtensor.kernels.merge import accumulation_dtype, add_piece
 from upipe_dtensor.parallel.all_to_all import Exchange, start_heads_to_sequence
@@ -85,20 +86,37 @@ from upipe_dtensor.parallel.qk_transform import QKTransform
 from upipe_dtensor.parallel.ring import Ring, ring_attention_backward, ring_attention_forward
 
 
-class _Ring:
-    """The ring the stages attend across, the local kernel and the softmax scale of a call."""
+class _Attention:
+    """A stage's attention in one call, ``attend(q_h, k_h, v_h) -> (o_h, lse)`` and
+    ``attend_backward(grad_o_h, q_h, k_h, v_h, o_h, lse) -> (dq, dk, dv)``: the causal kernel
+    itself without a ring axis (R = 1), ring attention across the R ranks of the ring axis
+    otherwise (``parallel.ring``). Bound once here, so the stage loops call the kernel directly."""
+
+    attend: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+    attend_backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
     def _attend_with(self, params: AttentionParams, like: Tensor, doc_ids: Tensor | None) -> None:
+        documents = doc_ids is not None
+        kernel = op_kernel(params.backend, params.kernel_device, like, documents=documents)
+        if params.ring_degree == 1:
+            masks = {"causal": True, "q_docs": doc_ids, "k_docs": doc_ids}
+            self.attend = functools.partial(
+                attention_forward, scale=params.scale, kernel=kernel, **masks
+            )
+            self.attend_backward = functools.partial(
+                attention_backward, scale=params.scale, kernel=kernel, **masks
+            )
+            return
         group = resolve_group(params.ring_group, params.ring_degree)
-        self.ring = Ring(group, group.rank() if group is not None else 0, params.ring_degree)
-        self.backend = op_kernel(
-            params.backend, params.kernel_device, like, documents=doc_ids is not None
-        )
-        self.scale = params.scale
+        ring = Ring(group, group.rank(), params.ring_degree)
+        along = {"scale": params.scale, "backend": kernel, "ring": ring, "doc_ids": doc_ids}
+        self.attend = functools.partial(ring_attention_forward, **along)
+        self.attend_backward = functools.partial(ring_attention_backward, **along)
 
 
-class _Layer(AttentionProjections, _Ring):
-    """The fused op's layer: the projections of the whole local shard ``x``, plus the ring."""
+class _Layer(AttentionProjections, _Attention):
+    """The fused op's layer: the projections of the whole local shard ``x``, and the stages'
+    attention."""
 
     def __init__(
         self, x: Tensor, weights: AttentionWeights, params: AttentionParams, doc_ids: Tensor | None
@@ -107,9 +125,9 @@ class _Layer(AttentionProjections, _Ring):
         self._attend_with(params, x, doc_ids)
 
 
-class _GivenLayer(GivenQKV, _Ring):
+class _GivenLayer(GivenQKV, _Attention):
     """The op-level entry's layer: a stage's queries and a block's keys and values read from
-    the given ``q``, ``k``, ``v`` of the local shard, plus the ring."""
+    the given ``q``, ``k``, ``v`` of the local shard, and the stages' attention."""
 
     def __init__(
         self, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, doc_ids: Tensor | None
@@ -179,7 +197,7 @@ def _next(
 
 
 def forward_stages(
-    layer: HeadStages, rope: Tensor | None, doc_ids: Tensor | None, overlap: bool
+    layer: _Layer | _GivenLayer, rope: Tensor | None, overlap: bool
 ) -> tuple[Tensor, Tensor]:
     """The forward stage loop (the module docstring): (out (B, L, H, d), the attention output of
     every stage in the sequence layout and the model's head order; lse (stages, B, U/C_h, S_h)
@@ -205,9 +223,7 @@ def forward_stages(
             k_h, v_h = kv
         following = _next(stages, order, position, overlap)
         started = None if following is None else _ForwardInputs(layer, following, rope, overlap)
-        o_h, lse[index] = ring_attention_forward(
-            q_h, k_h, v_h, layer.scale, layer.backend, layer.ring, doc_ids
-        )
+        o_h, lse[index] = layer.attend(q_h, k_h, v_h)
         del q_h
         if stage.closes_kv_block:
             k_h = v_h = None
@@ -224,10 +240,9 @@ def forward_stages(
 
 
 def backward_stages(
-    layer: HeadStages,
+    layer: _Layer | _GivenLayer,
     grads: _Gradients | _InputGradients,
     rope: Tensor | None,
-    doc_ids: Tensor | None,
     out: Tensor,
     lse: Tensor,
     output_grad: OutputGrad,
@@ -262,17 +277,8 @@ def backward_stages(
             if following is None
             else _BackwardInputs(layer, following, rope, out, output_grad, overlap)
         )
-        grad_q_h, grad_k_stage, grad_v_stage = ring_attention_backward(
-            grad_o_h,
-            q_h,
-            k_h,
-            v_h,
-            o_h,
-            lse[index],
-            layer.scale,
-            layer.backend,
-            layer.ring,
-            doc_ids,
+        grad_q_h, grad_k_stage, grad_v_stage = layer.attend_backward(
+            grad_o_h, q_h, k_h, v_h, o_h, lse[index]
         )
         del q_h, o_h, grad_o_h
         grads.add_kv(grad_k_stage, grad_v_stage, per_block)
@@ -306,22 +312,20 @@ def staged_forward(
     layout backward reads it in (``saved_output``)."""
     layer = _Layer(x, weights, params, doc_ids)
     if len(layer.schedule.stages) == 1:
-        return _one_stage_forward(layer, weights, rope, doc_ids)
-    out, lse = forward_stages(layer, rope, doc_ids, params.overlap_stages)
+        return _one_stage_forward(layer, weights, rope)
+    out, lse = forward_stages(layer, rope, params.overlap_stages)
     out = out.view(layer.batch, layer.local_len, -1)
     return out @ weights.wo.t(), out, lse
 
 
 def _one_stage_forward(
-    layer: _Layer, weights: AttentionWeights, rope: Tensor, doc_ids: Tensor | None
+    layer: _Layer, weights: AttentionWeights, rope: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Every head in one stage (Ulysses, ring attention, and their 2D hybrid): the output stays
     in the head layout, where backward reads it, and the sequence layout exists only to form y
     (``saved_output``)."""
     q_h, (k_h, v_h) = _ForwardInputs(layer, layer.schedule.stages[0], rope, False).result()
-    o_h, lse = ring_attention_forward(
-        q_h, k_h, v_h, layer.scale, layer.backend, layer.ring, doc_ids
-    )
+    o_h, lse = layer.attend(q_h, k_h, v_h)
     del q_h, k_h, v_h
     o_h = o_h.contiguous()
     y = _one_stage_output(layer, o_h) @ weights.wo.t()
@@ -488,7 +492,6 @@ def _one_stage_backward(
     x: Tensor,
     weights: AttentionWeights,
     rope: Tensor,
-    doc_ids: Tensor | None,
     out: Tensor,
     lse: Tensor,
     params: AttentionParams,
@@ -505,9 +508,7 @@ def _one_stage_backward(
     grads = _Gradients(layer, x, buffer, grad_y, params, output, output_now=False)
     grad_o_h = layer.output_grad(grad_y, weights.wo, stage)
     q_h, (k_h, v_h) = _ForwardInputs(layer, stage, rope, False).result()
-    grad_q_h, grad_k_h, grad_v_h = ring_attention_backward(
-        grad_o_h, q_h, k_h, v_h, o_h, lse[0], layer.scale, layer.backend, layer.ring, doc_ids
-    )
+    grad_q_h, grad_k_h, grad_v_h = layer.attend_backward(grad_o_h, q_h, k_h, v_h, o_h, lse[0])
     del q_h, k_h, v_h, o_h, grad_o_h
     grads.output_weight_grad_now()
     grads.add_kv(grad_k_h, grad_v_h, pieces=1)
@@ -544,7 +545,7 @@ def staged_backward(
     dx is held while the stages run)."""
     layer = _Layer(x, weights, params, doc_ids)
     if len(layer.schedule.stages) == 1:
-        return _one_stage_backward(layer, grad_y, x, weights, rope, doc_ids, out, lse, params)
+        return _one_stage_backward(layer, grad_y, x, weights, rope, out, lse, params)
     sequence = out
     out = out.view(layer.batch, layer.local_len, layer.schedule.n_heads, params.head_dim)
     grads = _Gradients(
@@ -558,7 +559,7 @@ def staged_backward(
         output_now=params.output_is_scratch and layer.query_grads_wait(x, params),
     )
     output_grad = functools.partial(layer.output_grad_slice, grad_y, weights.wo)
-    backward_stages(layer, grads, rope, doc_ids, out, lse, output_grad, params.overlap_stages)
+    backward_stages(layer, grads, rope, out, lse, output_grad, params.overlap_stages)
     return grads.finish(weights)
 
 
@@ -627,7 +628,7 @@ def qkv_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The op-level entry's forward: (out (B, L, H, d), lse (B, H, L), lse of each stage)."""
     layer = _GivenLayer(q, k, v, params, doc_ids)
-    out, lse = forward_stages(layer, None, doc_ids, params.overlap_stages)
+    out, lse = forward_stages(layer, None, params.overlap_stages)
     return out, _lse_in_sequence(layer, lse), lse
 
 
@@ -645,7 +646,7 @@ def qkv_backward(
     layer = _GivenLayer(q, k, v, params, doc_ids)
     grads = _InputGradients(layer)
     output_grad = functools.partial(layer.read_stage, grad_out)
-    backward_stages(layer, grads, None, doc_ids, out, lse, output_grad, params.overlap_stages)
+    backward_stages(layer, grads, None, out, lse, output_grad, params.overlap_stages)
     return grads.grad_q, grads.grad_k, grads.grad_v
 
 
