@@ -358,17 +358,85 @@ def saved_output(out: Tensor, weights: AttentionWeights, params: AttentionParams
     return exchange.result().reshape(batch, local_len, -1)
 
 
-class _Gradients:
+class LayerGradients:
+    """What a fused op's backward forms of one layer's gradients, whatever its loop (this
+    module's stages, ``fpdt_attention``'s chunks): which gradients autograd asks for
+    (``AttentionParams.needs``), whether the query gradients wait for one product after the last
+    stage (``AttentionProjections.query_grads_wait``) and the buffer they wait in, dx made when
+    first needed, dwo, and the record the op returns. ``layer`` is the projections of the whole
+    shard (or of its first sequence chunk: every span has the same schedule and QK transform);
+    ``out`` is the (B, L, H, d) buffer the waiting query gradients take the shape of."""
+
+    def __init__(
+        self,
+        layer: AttentionProjections,
+        x: Tensor,
+        out: Tensor,
+        grad_y: Tensor,
+        params: AttentionParams,
+        chunks: int = 1,
+    ) -> None:
+        self.layer, self.x, self.out, self.grad_y = layer, x, out, grad_y
+        self.needs, self.scratch = params.needs, params.output_is_scratch
+        self.queries = self.needs("x") or self.needs("wq") or self.needs("q_norm")
+        self.queries_wait = self.queries and layer.query_grads_wait(x, params, chunks)
+        self.waiting: Tensor | None = None
+        """Every stage's dQ in its heads of (B, L, H, d) (``out``'s shape), when they wait."""
+        self.grad_x: Tensor | None = None
+        self.grad_wq = self.grad_wk = self.grad_wv = self.grad_wo = None
+
+    def wait_buffer(self) -> Tensor:
+        """Where the waiting query gradients go: the saved output itself when it is scratch
+        (``AttentionParams.output_is_scratch``), else a new buffer of its size."""
+        return self.out if self.scratch else torch.empty_like(self.out)
+
+    def input_grad(self) -> None:
+        """Make dx (``AttentionProjections.new_input_grad``) if it is asked for and not made."""
+        if self.grad_x is None and self.needs("x"):
+            self.grad_x = self.layer.new_input_grad(self.x, self.queries_wait)
+
+    def output_weight_grad(self, output: Tensor) -> Tensor | None:
+        """dwo = grad_y.T @ output, from the pre-``wo`` output in the sequence layout (None when
+        not asked for)."""
+        if not self.needs("wo"):
+            return None
+        grad_y = self.grad_y.reshape(-1, self.grad_y.shape[-1])
+        return grad_y.t() @ output.reshape(grad_y.shape[0], -1)
+
+    def finish_queries(self, whole: AttentionProjections) -> None:
+        """The waiting query gradients' one product into dx and dwq (``queries_backward`` of
+        the whole shard's projections ``whole``), when they wait."""
+        if self.waiting is not None:
+            self.input_grad()
+            self.grad_wq = whole.queries_backward(self.waiting, self.grad_x, self.needs("wq"))
+            self.waiting = None
+
+    def result(self, weights: AttentionWeights) -> tuple[Tensor | None, AttentionWeights]:
+        """(dx, the weights' gradients) as the op returns them: each in its input's shape and
+        dtype (float32 sums are rounded once here), None where autograd asks for none."""
+        grad_x, grad_wq, grad_wk, grad_wv = (
+            None if g is None else g.view_as(t).to(t.dtype)
+            for g, t in zip(
+                (self.grad_x, self.grad_wq, self.grad_wk, self.grad_wv),
+                (self.x, weights.wq, weights.wk, weights.wv),
+            )
+        )
+        return grad_x, AttentionWeights(
+            grad_wq, grad_wk, grad_wv, self.grad_wo, *self.layer.qk.weight_grads()
+        )
+
+
+class _Gradients(LayerGradients):
     """Where one backward's gradients go, decided once for the layer (each order holds the
     fewest bytes for its case: ``AttentionProjections.query_grads_wait`` and
     ``kv_grads_wait``), and the products that finish them.
 
-    Only the gradients autograd asks for are formed (``AttentionParams.needs``), each buffer
-    when its first value arrives: dx and dwq with the first query gradient added at once (or
-    the first block's K/V products, or after the last stage), dwk and dwv with the first block's
-    rows. dwo is formed from the sequence-layout output (``output()``) before the first stage
-    when ``output_now`` (the waiting query gradients overwrite the saved output, or it has to be
-    exchanged back first), else after the last."""
+    Only the gradients autograd asks for are formed, each buffer when its first value arrives:
+    dx and dwq with the first query gradient added at once (or the first block's K/V products,
+    or after the last stage), dwk and dwv with the first block's rows. dwo is formed from the
+    sequence-layout output (``output()``) before the first stage when ``output_now`` (the
+    waiting query gradients overwrite the saved output, or it has to be exchanged back first),
+    else after the last."""
 
     def __init__(
         self,
@@ -380,36 +448,22 @@ class _Gradients:
         output: Callable[[], Tensor],
         output_now: bool,
     ) -> None:
-        self.layer, self.x, self.out, self.grad_y = layer, x, out, grad_y
-        self.needs, self.scratch, self.output = params.needs, params.output_is_scratch, output
-        self.queries = self.needs("x") or self.needs("wq") or self.needs("q_norm")
+        super().__init__(layer, x, out, grad_y, params)
+        self.output = output
         self.keys = self.needs("x") or self.needs("wk") or self.needs("wv") or self.needs("k_norm")
-        self.queries_wait = self.queries and layer.query_grads_wait(x, params)
         self.kv_wait = layer.kv_grads_wait(x, params, self.queries_wait)
-        self.waiting: Tensor | None = None
-        """Every stage's dQ in its heads of (B, L, H, d) (``out``'s shape), when they wait."""
-        self.grad_x = self.grad_wq = self.grad_wk = self.grad_wv = None
         self.kv_sums: list[Tensor | None] = [None, None]
         """The open KV block's dK and dV sums over its stages (head layout)."""
         self.pending: list[tuple[int, Tensor, Tensor]] = []
         """(block, dK, dV) of closed blocks in the sequence layout, when they wait."""
-        self.grad_wo = self._output_weight_grad() if output_now else None
-
-    def _input_grad(self) -> None:
-        if self.grad_x is None and self.needs("x"):
-            self.grad_x = self.layer.new_input_grad(self.x, self.queries_wait)
-
-    def _output_weight_grad(self) -> Tensor | None:
-        if not self.needs("wo"):
-            return None
-        grad_y = self.grad_y.reshape(-1, self.grad_y.shape[-1])
-        return grad_y.t() @ self.output().reshape(grad_y.shape[0], -1)
+        if output_now:
+            self.output_weight_grad_now()
 
     def output_weight_grad_now(self) -> None:
         """Form dwo now (once): for one stage, right after its kernel, when the kernel's inputs
         are gone and before dx and the other weights' gradients exist."""
-        if self.grad_wo is None:
-            self.grad_wo = self._output_weight_grad()
+        if self.grad_wo is None and self.needs("wo"):  # output() may run an exchange
+            self.grad_wo = self.output_weight_grad(self.output())
 
     def query(self, grad_q: Exchange, stage: Stage, rope: Tensor) -> None:
         """A stage's dQ, on its way back to the sequence layout; where it goes is made once it
@@ -417,9 +471,9 @@ class _Gradients:
         grad = self.layer.query_grad(grad_q, stage, rope)
         if self.queries_wait:
             if self.waiting is None:
-                self.waiting = self.out if self.scratch else torch.empty_like(self.out)
+                self.waiting = self.wait_buffer()
         else:
-            self._input_grad()
+            self.input_grad()
             if self.grad_wq is None and self.needs("wq"):
                 self.grad_wq = self.layer.new_query_weight_grad(chunks=1)
         self.layer.add_query_grad(grad, stage, self.waiting, self.grad_x, self.grad_wq)
@@ -450,7 +504,7 @@ class _Gradients:
             self._kv_product("wv", block, grad_v)
 
     def _kv_product(self, name: str, block: int, grad: Tensor) -> None:
-        self._input_grad()
+        self.input_grad()
         attribute = f"grad_{name}"
         if self.needs(name) and getattr(self, attribute) is None:
             setattr(self, attribute, torch.zeros_like(getattr(self.layer, name)))
@@ -465,25 +519,9 @@ class _Gradients:
             self._kv_product("wk", block, grad_k)
             self._kv_product("wv", block, grad_v)
             del grad_k, grad_v
-        if self.waiting is not None:
-            self._input_grad()
-            self.grad_wq = self.layer.queries_backward(self.waiting, self.grad_x, self.needs("wq"))
-            self.waiting = None
-        if self.grad_wo is None:
-            self.grad_wo = self._output_weight_grad()
-        grad_x = None if self.grad_x is None else self.grad_x.to(self.x.dtype)
-        return grad_x, AttentionWeights(
-            *(
-                None if g is None else g.view_as(w)
-                for g, w in (
-                    (self.grad_wq, weights.wq),
-                    (self.grad_wk, weights.wk),
-                    (self.grad_wv, weights.wv),
-                )
-            ),
-            self.grad_wo,
-            *self.layer.qk.weight_grads(),
-        )
+        self.finish_queries(self.layer)
+        self.output_weight_grad_now()
+        return self.result(weights)
 
 
 def _one_stage_backward(
