@@ -66,9 +66,8 @@ from upipe_dtensor.parallel.attention_op import (
 from upipe_dtensor.parallel.head_schedule import Stage
 from upipe_dtensor.parallel.head_stages import GivenQKV, HeadStages
 from upipe_dtensor.parallel.layouts import split_lengths
-from upipe_dtensor.parallel.projections import AttentionProjections
 from upipe_dtensor.parallel.qk_transform import QKTransform
-from upipe_dtensor.parallel.staged_attention import LayerGradients
+from upipe_dtensor.parallel.staged_attention import AttentionProjections, LayerGradients
 from upipe_dtensor.runtime.host_store import HostStore, Parked, named_host_store
 
 
