@@ -147,6 +147,15 @@ class _Parking:
         if self.store is not None:
             self.store.release(held)
 
+    def skipped(self, i: int, drop: tuple[str, ...] = (), stand_ins: tuple[str, ...] = ()) -> None:
+        """What chunk ``i``, which the planner skips (``kernels.tiling.in_order``), leaves in
+        host memory: the slots of ``drop`` given up (what its step would release), then
+        stand-ins for those of ``stand_ins``."""
+        for name in drop:
+            self.drop((name, i))
+        for name in stand_ins:
+            self.stand_in((name, i), like=(name, 1))
+
     def stand_in(self, key: object, like: object) -> None:
         """Park under ``key`` a tensor shaped like ``like``'s, never read for its values: what a
         chunk the planner skips would have parked (``kernels.tiling.in_order``)."""
@@ -184,12 +193,10 @@ def forward_chunks(
     middle_earlier = (len(layer.spans) - 1) / 2
     for index in first.stage_order():
         stage = schedule.stages[index]
-        for i, runs in in_order(layer.visits, range(len(layer.spans))):
-            if not runs:  # planning: a skipped chunk leaves its K/V in host memory, no work
-                if stage.opens_kv_block:
-                    parking.stand_in(("k", i), like=("k", 1))
-                    parking.stand_in(("v", i), like=("v", 1))
-                continue
+        # planning: a skipped chunk leaves its K/V in host memory, no work
+        kv = ("k", "v") if stage.opens_kv_block else ()
+        skipped = functools.partial(parking.skipped, stand_ins=kv)
+        for i in in_order(layer.visits, range(len(layer.spans)), skipped):
             span = layer.spans[i]
             rope_i, docs_i = _rows(rope, layer.local[i]), _docs(doc_ids, layer.gathered[i])
             if stage.opens_kv_block:
@@ -259,11 +266,9 @@ def backward_chunks(
     for index in layer.spans[0].stage_order():
         stage = schedule.stages[index]
         parked = ("k", "v", "q", "o", "do") if stage.opens_kv_block else ("q", "o", "do")
-        for i, runs in in_order(layer.visits, range(count)):  # every chunk to the head layout
-            if not runs:  # planning: a skipped chunk's host copies, no work
-                for name in parked:
-                    parking.stand_in((name, i), like=(name, 1))
-                continue
+        # every chunk to the head layout (planning: a skipped chunk's host copies, no work)
+        skipped = functools.partial(parking.skipped, stand_ins=parked)
+        for i in in_order(layer.visits, range(count), skipped):
             span = layer.spans[i]
             rope_i = _rows(rope, layer.local[i])
             if stage.opens_kv_block:
@@ -279,17 +284,12 @@ def backward_chunks(
         # Planning (fake tensors) runs a few of the identical chunks and chunk pairs
         # (``kernels.tiling``); a skipped K/V chunk j gives up the host copies its step would
         # release and parks stand-ins for the partial dK/dV it would leave for the next stage.
-        for j, runs in in_order(layer.visits, range(count)):  # outer: K/V chunks
-            if not runs:
-                if not stage.opens_kv_block:
-                    parking.drop(("dk", j))
-                    parking.drop(("dv", j))
-                for name in ("q", "o", "do", "dq"):
-                    parking.drop((name, j))
-                if not stage.closes_kv_block:
-                    parking.stand_in(("dk", j), like=("dk", 1))
-                    parking.stand_in(("dv", j), like=("dv", 1))
-                continue
+        skipped = functools.partial(
+            parking.skipped,
+            drop=(() if stage.opens_kv_block else ("dk", "dv")) + ("q", "o", "do", "dq"),
+            stand_ins=() if stage.closes_kv_block else ("dk", "dv"),
+        )
+        for j in in_order(layer.visits, range(count), skipped):  # outer: K/V chunks
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
             if stage.opens_kv_block:
                 grad_k_j, grad_v_j = accumulator(k_j), accumulator(v_j)
@@ -301,11 +301,10 @@ def backward_chunks(
             stands_for = middle_queries if layer.shortened and j == 1 else None
             chunks = layer.visits if j == 0 else visited(like, range(j, count), stands_for)
             run = [i for i in range(j, count) if i in chunks]  # the query chunks computed
-            for i, runs_i in in_order(chunks, range(j, count)):  # inner: those that see chunk j
-                if not runs_i:  # a later pass takes and parks a partial dQ again: nothing left
-                    if j == 0:
-                        parking.stand_in(("dq", i), like=("dq", 1))
-                    continue
+            # a skipped chunk's partial dQ: parked by the first pass (a stand-in), taken and
+            # parked again by each later one (nothing left)
+            partial_dq = functools.partial(parking.skipped, stand_ins=("dq",) if j == 0 else ())
+            for i in in_order(chunks, range(j, count), partial_dq):  # inner: those that see j
                 q_i = parking.get(("q", i), release=i == j)
                 o_i = parking.get(("o", i), release=i == j)
                 do_i = parking.get(("do", i), release=i == j)
