@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from upipe_dtensor.data.documents import document_positions
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
-from upipe_dtensor.parallel.projections import AttentionProjections
+from upipe_dtensor.parallel.staged_attention import AttentionProjections
 
 pytestmark = pytest.mark.distributed
 

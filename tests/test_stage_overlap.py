@@ -52,16 +52,16 @@ class _Probe:
         monkeypatch.setattr(all_to_all.Exchange, "__init__", start)
         monkeypatch.setattr(all_to_all.Exchange, "result", wait)
         for name, tensor_args in (
-            ("ring_attention_forward", (0,)),  # q_h (K/V open a block: checked through q)
-            ("ring_attention_backward", (0, 1, 4)),  # dO_h, q_h, o_h
+            ("attention_forward", (0,)),  # q_h (K/V open a block: checked through q)
+            ("attention_backward", (0, 1, 4)),  # dO_h, q_h, o_h
         ):
             kernel = getattr(staged_attention, name)
             monkeypatch.setattr(staged_attention, name, self._attention(kernel, tensor_args))
 
     def _attention(self, kernel, tensor_args: tuple[int, ...]):
-        def probe(*args):
+        def probe(*args, **kwargs):
             self.inputs.append([self.source[id(args[i])] for i in tensor_args])
-            out = kernel(*args)
+            out = kernel(*args, **kwargs)
             self.attention_calls += 1
             return out
 

@@ -11,7 +11,7 @@ The same rule holds for the sums of partial results across ring steps, sequence 
 block's head stages in the attention ops (dQ, dK, dV, weight gradients): ``accumulator`` and
 ``add_piece`` keep them in at least float32 and the caller casts once at the end, so a bf16 sum of
 n pieces rounds once, not n times. A layer's dx is not such a running sum: it is formed from a few
-products through wq, wk and wv once their gradients are final (``parallel.projections``).
+products through wq, wk and wv once their gradients are final (``parallel.staged_attention``).
 """
 
 from __future__ import annotations

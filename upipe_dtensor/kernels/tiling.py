@@ -18,7 +18,7 @@ switch and ``repeats()`` are planner modes, in ``modes.loops``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -61,19 +61,26 @@ def visited(like: Tensor, steps: range, stands_for: float | None = None) -> list
     return steps
 
 
-def in_order(visits: list[int] | range, steps: range) -> Iterator[tuple[int, bool]]:
-    """Every one of ``steps`` in order, and whether ``visits`` (``visited``'s choice) runs it in
-    full: while a visited step's body runs, ``repeats()`` is what it stands for; a step not
-    visited runs with ``repeats()`` 0, for a loop whose skipped iterations still leave memory
-    behind (FPDT's host copies of every chunk): the stand-ins it makes for them cost memory and
-    count no work, which the visited steps count."""
+def in_order(
+    visits: list[int] | range, steps: range, skipped: Callable[[int], None]
+) -> Iterator[int]:
+    """The ones of ``steps`` that ``visits`` (``visited``'s choice) runs, in order, and for each
+    one it skips ``skipped(step)`` where that step would run: while a visited step's body runs,
+    ``repeats()`` is what it stands for; ``skipped`` runs with ``repeats()`` 0, for a loop whose
+    skipped iterations still leave memory behind (FPDT's host copies of every chunk): the
+    stand-ins it makes for them cost memory and count no work, which the visited steps count.
+    Off the planner every step runs and ``skipped`` is never called, so a loop has no branch of
+    its own for the planner."""
     weights = dict(zip(visits, getattr(visits, "weights", [1.0] * len(visits))))
     outer = repeats()
     try:
         for step in steps:
             weight = weights.get(step)
             set_repeats(outer * (0.0 if weight is None else weight))
-            yield step, weight is not None
+            if weight is None:
+                skipped(step)
+            else:
+                yield step
     finally:
         set_repeats(outer)
 

@@ -141,10 +141,8 @@ def kept_forward(
     run: Callable[[], tuple[Tensor, Tensor, Tensor]],
     output: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``KeptAttention.forward`` of the store named by ``keep`` (``KeptAttention.name``); just
-    ``run()`` when ``keep`` is empty."""
-    if not keep:
-        return run()
+    """``KeptAttention.forward`` of the store named by ``keep`` (``KeptAttention.name``; an op
+    without kept attention does not call this)."""
     kept = _NAMED.get(keep)
     if kept is None:
         raise ValueError(f"no kept attention named {keep!r}: the style that owned it is gone")

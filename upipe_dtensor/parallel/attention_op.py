@@ -34,6 +34,7 @@ breaks ``retain_graph``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 import weakref
 from collections.abc import Callable
@@ -152,11 +153,13 @@ def _flat(params: AttentionParams) -> tuple:
 
 
 def _computed(
-    name: str, args: tuple, compute: Callable[[], tuple[Tensor, ...]]
+    name: str, args: tuple, compute: Callable[..., tuple[Tensor, ...]], *inputs: object
 ) -> tuple[Tensor, ...]:
-    """``compute()``, or what the planner's runner makes of it (``modes.ops``)."""
+    """``compute(*inputs)``, or what the planner's runner makes of it (``modes.ops``)."""
     runner = computation_runner()
-    return compute() if runner is None else runner(name, args, compute)
+    if runner is None:
+        return compute(*inputs)
+    return runner(name, args, functools.partial(compute, *inputs))
 
 
 class AttentionOp:
@@ -180,12 +183,13 @@ class AttentionOp:
         def forward_body(*args):
             x, weights, rope, doc_ids = _inputs(args[:_N_TENSORS])
             params = _params(args[_N_TENSORS:])
+            inputs = (x, weights, rope, doc_ids, params)
+            if not params.keep:
+                return _computed(f"{name} forward", args, forward, *inputs)
             return kept_forward(
                 params.keep,
                 weights.wo,
-                lambda: _computed(
-                    f"{name} forward", args, lambda: forward(x, weights, rope, doc_ids, params)
-                ),
+                functools.partial(_computed, f"{name} forward", args, forward, *inputs),
                 (lambda out: out) if output is None else lambda out: output(out, weights, params),
             )
 
@@ -197,9 +201,8 @@ class AttentionOp:
             return tuple(x.new_empty(0) if g is None else g for g in (grad_x, *grads))
 
         def backward_body(grad_y, *args):
-            return _computed(
-                f"{name} backward", (grad_y, *args), lambda: backward_computation(grad_y, *args)
-            )
+            args = (grad_y, *args)
+            return _computed(f"{name} backward", args, backward_computation, *args)
 
         forward_op = torch.library.custom_op(
             f"upipe::{name}_fwd",
@@ -257,17 +260,12 @@ class QKVAttentionOp:
 
         def forward_body(q, k, v, doc_ids, *values):
             args = (q, k, v, doc_ids, *values)
-            params = _params(values)
-            return _computed(f"{name} forward", args, lambda: forward(q, k, v, doc_ids, params))
+            return _computed(f"{name} forward", args, forward, q, k, v, doc_ids, _params(values))
 
         def backward_body(grad_out, q, k, v, doc_ids, out, saved, *values):
-            args = (grad_out, q, k, v, doc_ids, out, saved, *values)
-            params = _params(values)
-            return _computed(
-                f"{name} backward",
-                args,
-                lambda: backward(grad_out, q, k, v, doc_ids, out, saved, params),
-            )
+            inputs = (grad_out, q, k, v, doc_ids, out, saved)
+            args = (*inputs, *values)
+            return _computed(f"{name} backward", args, backward, *inputs, _params(values))
 
         tensors = "Tensor q, Tensor k, Tensor v, Tensor? doc_ids"
         forward_op = torch.library.custom_op(

@@ -66,8 +66,8 @@ from upipe_dtensor.parallel.attention_op import (
 from upipe_dtensor.parallel.head_schedule import Stage
 from upipe_dtensor.parallel.head_stages import GivenQKV, HeadStages
 from upipe_dtensor.parallel.layouts import split_lengths
-from upipe_dtensor.parallel.projections import AttentionProjections
 from upipe_dtensor.parallel.qk_transform import QKTransform
+from upipe_dtensor.parallel.staged_attention import AttentionProjections, LayerGradients
 from upipe_dtensor.runtime.host_store import HostStore, Parked, named_host_store
 
 
@@ -147,6 +147,15 @@ class _Parking:
         if self.store is not None:
             self.store.release(held)
 
+    def skipped(self, i: int, drop: tuple[str, ...] = (), stand_ins: tuple[str, ...] = ()) -> None:
+        """What chunk ``i``, which the planner skips (``kernels.tiling.in_order``), leaves in
+        host memory: the slots of ``drop`` given up (what its step would release), then
+        stand-ins for those of ``stand_ins``."""
+        for name in drop:
+            self.drop((name, i))
+        for name in stand_ins:
+            self.stand_in((name, i), like=(name, 1))
+
     def stand_in(self, key: object, like: object) -> None:
         """Park under ``key`` a tensor shaped like ``like``'s, never read for its values: what a
         chunk the planner skips would have parked (``kernels.tiling.in_order``)."""
@@ -184,12 +193,10 @@ def forward_chunks(
     middle_earlier = (len(layer.spans) - 1) / 2
     for index in first.stage_order():
         stage = schedule.stages[index]
-        for i, runs in in_order(layer.visits, range(len(layer.spans))):
-            if not runs:  # planning: a skipped chunk leaves its K/V in host memory, no work
-                if stage.opens_kv_block:
-                    parking.stand_in(("k", i), like=("k", 1))
-                    parking.stand_in(("v", i), like=("v", 1))
-                continue
+        # planning: a skipped chunk leaves its K/V in host memory, no work
+        kv = ("k", "v") if stage.opens_kv_block else ()
+        skipped = functools.partial(parking.skipped, stand_ins=kv)
+        for i in in_order(layer.visits, range(len(layer.spans)), skipped):
             span = layer.spans[i]
             rope_i, docs_i = _rows(rope, layer.local[i]), _docs(doc_ids, layer.gathered[i])
             if stage.opens_kv_block:
@@ -259,11 +266,9 @@ def backward_chunks(
     for index in layer.spans[0].stage_order():
         stage = schedule.stages[index]
         parked = ("k", "v", "q", "o", "do") if stage.opens_kv_block else ("q", "o", "do")
-        for i, runs in in_order(layer.visits, range(count)):  # every chunk to the head layout
-            if not runs:  # planning: a skipped chunk's host copies, no work
-                for name in parked:
-                    parking.stand_in((name, i), like=(name, 1))
-                continue
+        # every chunk to the head layout (planning: a skipped chunk's host copies, no work)
+        skipped = functools.partial(parking.skipped, stand_ins=parked)
+        for i in in_order(layer.visits, range(count), skipped):
             span = layer.spans[i]
             rope_i = _rows(rope, layer.local[i])
             if stage.opens_kv_block:
@@ -279,17 +284,12 @@ def backward_chunks(
         # Planning (fake tensors) runs a few of the identical chunks and chunk pairs
         # (``kernels.tiling``); a skipped K/V chunk j gives up the host copies its step would
         # release and parks stand-ins for the partial dK/dV it would leave for the next stage.
-        for j, runs in in_order(layer.visits, range(count)):  # outer: K/V chunks
-            if not runs:
-                if not stage.opens_kv_block:
-                    parking.drop(("dk", j))
-                    parking.drop(("dv", j))
-                for name in ("q", "o", "do", "dq"):
-                    parking.drop((name, j))
-                if not stage.closes_kv_block:
-                    parking.stand_in(("dk", j), like=("dk", 1))
-                    parking.stand_in(("dv", j), like=("dv", 1))
-                continue
+        skipped = functools.partial(
+            parking.skipped,
+            drop=(() if stage.opens_kv_block else ("dk", "dv")) + ("q", "o", "do", "dq"),
+            stand_ins=() if stage.closes_kv_block else ("dk", "dv"),
+        )
+        for j in in_order(layer.visits, range(count), skipped):  # outer: K/V chunks
             k_j, v_j = parking.get(("k", j), release=False), parking.get(("v", j), release=False)
             if stage.opens_kv_block:
                 grad_k_j, grad_v_j = accumulator(k_j), accumulator(v_j)
@@ -301,11 +301,10 @@ def backward_chunks(
             stands_for = middle_queries if layer.shortened and j == 1 else None
             chunks = layer.visits if j == 0 else visited(like, range(j, count), stands_for)
             run = [i for i in range(j, count) if i in chunks]  # the query chunks computed
-            for i, runs_i in in_order(chunks, range(j, count)):  # inner: those that see chunk j
-                if not runs_i:  # a later pass takes and parks a partial dQ again: nothing left
-                    if j == 0:
-                        parking.stand_in(("dq", i), like=("dq", 1))
-                    continue
+            # a skipped chunk's partial dQ: parked by the first pass (a stand-in), taken and
+            # parked again by each later one (nothing left)
+            partial_dq = functools.partial(parking.skipped, stand_ins=("dq",) if j == 0 else ())
+            for i in in_order(chunks, range(j, count), partial_dq):  # inner: those that see j
                 q_i = parking.get(("q", i), release=i == j)
                 o_i = parking.get(("o", i), release=i == j)
                 do_i = parking.get(("do", i), release=i == j)
@@ -357,12 +356,10 @@ def backward_chunks(
 def _fused_chunks(
     x: Tensor, weights: AttentionWeights, params: AttentionParams, doc_ids: Tensor | None
 ) -> _Chunks:
-    qk = QKTransform(weights, params)
-    layer = _Chunks(
+    qk = QKTransform(weights, params)  # the call's one, shared by every chunk's projections
+    return _Chunks(
         x, params, doc_ids, lambda rows: AttentionProjections(x[:, rows], weights, params, qk)
     )
-    layer.qk = qk
-    return layer
 
 
 def fpdt_forward(
@@ -380,67 +377,52 @@ def fpdt_forward(
     return out @ weights.wo.t(), out, lse
 
 
-class _Gradients:
+class _Gradients(LayerGradients):
     """Where the fused op's backward puts each final dQ_i and each K/V chunk's dK, dV: into dx
     and the weights' gradients. Each final dQ_i waits in its rows and stage heads of one
     (B, S/C, H, d) buffer (the saved output, when it is scratch: a stage's slices of it are
     parked before any dQ of the stage is final), or, when that buffer would be new and dx and
     dwq hold less, goes into them at once (``AttentionProjections.query_grads_wait``); then dx
-    += dQ @ wq and dwq = dQ.T @ x are one product each at the end, as in ``staged_backward``;
-    dx is created when the first KV block closes. dwk, dwv are float32 sums over the chunks."""
+    += dQ @ wq and dwq = dQ.T @ x are one product each at the end, as in ``staged_backward``
+    (``staged_attention.LayerGradients``, which both share); dx is created when the first KV
+    block closes. dwk, dwv are float32 sums over the chunks."""
 
     def __init__(
         self,
-        layer: _Chunks,
+        chunks: _Chunks,
         x: Tensor,
         weights: AttentionWeights,
         out: Tensor,
         grad_y: Tensor,
         params: AttentionParams,
     ) -> None:
-        self.layer, self.x, self.weights, self.grad_y, self.params = (
-            layer,
-            x,
-            weights,
-            grad_y,
-            params,
-        )
-        needs = self.needs = params.needs
-        self.grad_wo = (
-            grad_y.reshape(-1, grad_y.shape[-1]).t() @ out.reshape(-1, out.shape[-1])
-            if needs("wo")
-            else None
-        )
-        out = out.view(x.shape[0], x.shape[1], layer.schedule.n_heads, params.head_dim)
-        first = layer.spans[0]  # every span has the same schedule
-        self.queries = needs("x") or needs("wq") or needs("q_norm")  # final dQ goes somewhere
-        self.wait = self.queries and first.query_grads_wait(x, params, params.chunks)
-        self.waiting = (
-            (out if params.output_is_scratch else torch.empty_like(out)) if self.wait else None
-        )
-        # Waiting, dx is created when the first KV block closes and dwq after the last stage.
-        self.grad_x = first.new_input_grad(x, self.wait) if needs("x") and not self.wait else None
-        self.grad_wq = (
-            first.new_query_weight_grad(params.chunks) if needs("wq") and not self.wait else None
-        )
+        heads = out.view(x.shape[0], x.shape[1], chunks.schedule.n_heads, params.head_dim)
+        super().__init__(chunks.spans[0], x, heads, grad_y, params, params.chunks)
+        self.chunks, self.weights, self.params = chunks, weights, params
+        self.grad_wo = self.output_weight_grad(out)
+        if self.queries_wait:  # dx is then made when the first KV block closes, dwq at the end
+            self.waiting = self.wait_buffer()
+        else:
+            self.input_grad()
+            if self.needs("wq"):
+                self.grad_wq = self.layer.new_query_weight_grad(params.chunks)
         self.grad_wk, self.grad_wv = (
             accumulator(w, summed=params.chunks > 1).view(-1, params.head_dim, x.shape[-1])
-            if needs(name)
+            if self.needs(name)
             else None
             for w, name in ((weights.wk, "wk"), (weights.wv, "wv"))
         )
-        self.out = out
 
     def output_grad(self, i: int, stage: Stage) -> Tensor:
         """Chunk i's slice of the gradient before ``wo``, in the head layout."""
-        rows = self.layer.local[i]
-        return self.layer.spans[i].output_grad(self.grad_y[:, rows], self.weights.wo, stage)
+        rows = self.chunks.local[i]
+        return self.chunks.spans[i].output_grad(self.grad_y[:, rows], self.weights.wo, stage)
 
     def _rows(self, tensor: Tensor | None, i: int) -> Tensor | None:
-        return None if tensor is None else tensor[:, self.layer.local[i]]
+        return None if tensor is None else tensor[:, self.chunks.local[i]]
 
     def query(self, i: int, grad_q: Exchange, stage: Stage, rope: Tensor) -> None:
-        span = self.layer.spans[i]
+        span = self.chunks.spans[i]
         span.store_query_grad(
             grad_q,
             stage,
@@ -451,29 +433,16 @@ class _Gradients:
         )
 
     def kv(self, j: int, grad_k: Tensor, grad_v: Tensor, block: int, rope: Tensor) -> None:
-        span = self.layer.spans[j]
-        if self.grad_x is None and self.needs("x"):
-            self.grad_x = span.new_input_grad(self.x, self.wait)
-        span.kv_backward(
+        self.input_grad()
+        self.chunks.spans[j].kv_backward(
             grad_k, grad_v, block, rope, self._rows(self.grad_x, j), self.grad_wk, self.grad_wv
         )
 
     def finish(self) -> tuple[Tensor | None, AttentionWeights]:
-        x, weights, params = self.x, self.weights, self.params
-        grad_x, grad_wq = self.grad_x, self.grad_wq
-        if self.wait:
-            whole = AttentionProjections(x, weights, params, self.layer.qk)
-            grad_wq = whole.queries_backward(self.waiting, grad_x, self.needs("wq"))
-        grad_x, grad_wq, grad_wk, grad_wv = (
-            None if g is None else g.view_as(t).to(t.dtype)
-            for g, t in zip(
-                (grad_x, grad_wq, self.grad_wk, self.grad_wv),
-                (x, weights.wq, weights.wk, weights.wv),
-            )
-        )
-        return grad_x, AttentionWeights(
-            grad_wq, grad_wk, grad_wv, self.grad_wo, *self.layer.qk.weight_grads()
-        )
+        if self.waiting is not None:  # the queries' one product runs over the whole shard
+            whole = AttentionProjections(self.x, self.weights, self.params, self.layer.qk)
+            self.finish_queries(whole)
+        return self.result(self.weights)
 
 
 def fpdt_backward(

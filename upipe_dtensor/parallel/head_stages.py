@@ -5,7 +5,7 @@ stage's heads, exchange them between the sequence and head layouts, write result
 sequence (the whole shard for UPipe, Ulysses and the ring; one sequence chunk for FPDT): the head
 schedule, the head axis's process group, the shapes. A subclass says where a stage's queries and
 a KV block's keys and values come from: projected from the layer's input
-(``projections.AttentionProjections``, the fused ops) or read from given tensors
+(``staged_attention.AttentionProjections``, the fused ops) or read from given tensors
 (``staged_attention``'s q/k/v entry). Query head ``h`` always uses KV head ``h // n_rep`` (the
 model's own GQA grouping, ``head_schedule``).
 """

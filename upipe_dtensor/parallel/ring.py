@@ -19,7 +19,8 @@ at their owner after the last step, returned as they are for the caller to add i
 The next block's send/receive is posted before the current block is computed, so on CUDA (NCCL
 runs on its own stream) the transfer overlaps the attention; gloo on CPU runs the same code.
 Document masks: each rank computes any block's document ids itself from the global ids and the
-layout, so they never travel. With R = 1 this is one causal kernel call.
+layout, so they never travel. Without a ring (R = 1) there is nothing of this: the callers call
+the kernel itself (``staged_attention``).
 
 Used by ``RingAttention`` (ring over the whole CP group) and by 2D UPipe/Ulysses (a ring across
 nodes inside every head stage): one ring implementation.
@@ -51,9 +52,9 @@ _KV_TAG, _GRAD_TAG = 1, 2
 
 @dataclass(frozen=True)
 class Ring:
-    """This rank's place on a ring of ``size`` ranks (``group`` None when ``size`` is 1)."""
+    """This rank's place on a ring of ``size`` > 1 ranks."""
 
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup
     rank: int
     size: int
 
@@ -128,10 +129,6 @@ def ring_attention_forward(
     document ids of the whole sequence in global order.
     """
     seq_len = q.shape[1] * ring.size
-    if ring.size == 1:
-        return attention_forward(
-            q, k, v, scale, backend, causal=True, q_docs=doc_ids, k_docs=doc_ids
-        )
     blocks = _Blocks(ring, seq_len, doc_ids)
     mine = blocks.docs(ring.rank)
     partial: PartialAttention | None = None
@@ -175,13 +172,9 @@ def ring_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``ring_attention_forward`` from its final ``out`` and ``lse``: dq in
     q's dtype (it goes through the all-to-all next); dk and dv, summed over the ring steps, in
-    float32 (the caller adds them into its float32 dK/dV accumulators; no rounding in between),
-    or the kernel's own with a ring of one."""
+    float32 (the caller adds them into its float32 dK/dV accumulators; no rounding in
+    between)."""
     seq_len = q.shape[1] * ring.size
-    if ring.size == 1:
-        return attention_backward(
-            grad_out, q, k, v, out, lse, scale, backend, causal=True, q_docs=doc_ids, k_docs=doc_ids
-        )
     blocks = _Blocks(ring, seq_len, doc_ids)
     mine = blocks.docs(ring.rank)
     grad_q = accumulator(q)
