@@ -37,8 +37,8 @@ Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = 
             the block's stages (2 * N*C_h*k*d*4), or the kernel's own with one stage per block
             (Ulysses, ring); a ring adds the travelling K/V and dK/dV of one block and a float32
             dQ of one stage. On CUDA flash-attn adds a float32 dQ workspace of the stage
-            (``kernels.attention.cuda_backward_workspace_bytes``). Each stage's dQ, back in the
-            sequence layout, waits in the saved output buffer (its stage's slice was read first;
+            (``kernels.traced_workspace.cuda_backward_workspace_bytes``). Each stage's dQ, back
+            in the sequence layout, waits in the saved output buffer (its stage's slice was read first;
             under activation checkpointing nothing else reads it, otherwise a new buffer of N*H*d*b
             is taken). dx (N*D*b; float32 beyond two KV blocks, ``new_input_grad``) is created
             when the first KV block closes and dwq after the last stage, each one product over all
