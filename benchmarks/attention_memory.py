@@ -19,9 +19,10 @@ the frame that allocates them) and reported as what the store's pool grew by.
 
 Run: ``python benchmarks/attention_memory.py`` (C=4 gloo processes, H=32, H_kv=8, d=16, S=16384:
 4,096 tokens per rank against a width of 512, the proportions of long context, where a rank's
-activations outgrow the weights' gradients; about 5 minutes on 2 busy cores). ``--checkpoint`` runs the layer under activation checkpointing,
-as the long-context recipes do: backward recomputes the forward, whose saved output then holds
-the query gradients; without it backward takes a buffer of the output's size for them.
+activations outgrow the weights' gradients; about 5 minutes on 2 busy cores). ``--checkpoint``
+runs the layer under activation checkpointing, as the long-context recipes do: backward
+recomputes the forward, whose saved output then holds the query gradients; without it backward
+takes a buffer of the output's size for them.
 """
 
 from __future__ import annotations

@@ -38,17 +38,16 @@ Memory bound (per rank, activations, bytes b per element, N = B*S/C tokens, u = 
             (Ulysses, ring); a ring adds the travelling K/V and dK/dV of one block and a float32
             dQ of one stage. On CUDA flash-attn adds a float32 dQ workspace of the stage
             (``kernels.traced_workspace.cuda_backward_workspace_bytes``). Each stage's dQ, back
-            in the sequence layout, waits in the saved output buffer (its stage's slice was read first;
-            under activation checkpointing nothing else reads it, otherwise a new buffer of N*H*d*b
-            is taken). dx (N*D*b; float32 beyond two KV blocks, ``new_input_grad``) is created
-            when the first KV block closes and dwq after the last stage, each one product over all
-            query heads: while the stages run no dx is held (planner, Llama3-8B at 3M on 8 GPUs,
-            FA3, stages in turn: 48.0 GiB per GPU, where a float32 dx summed across the stages
-            planned 54.3). Only when that buffer would be new and dx exists while the stages
-            run anyway (more than one KV block, e.g. MHA at U = C_h, no checkpointing) and dx
-            and dwq take fewer bytes than dx and the buffer (N >> D: long context) does each
-            stage's dQ go into dx and dwq at once instead
-            (``AttentionProjections.query_grads_wait``).
+            in the sequence layout, waits in the saved output buffer (its stage's slice was read
+            first; under activation checkpointing nothing else reads it, otherwise a new buffer of
+            N*H*d*b is taken). dx (N*D*b; float32 beyond two KV blocks, ``new_input_grad``) is
+            created when the first KV block closes and dwq after the last stage, each one product
+            over all query heads: while the stages run no dx is held (planner, Llama3-8B at 3M on 8
+            GPUs, FA3, stages in turn: 48.0 GiB per GPU, where a float32 dx summed across the stages
+            planned 54.3). Only when that buffer would be new and dx exists while the stages run
+            anyway (more than one KV block, e.g. MHA at U = C_h, no checkpointing) and dx and dwq
+            take fewer bytes than dx and the buffer (N >> D: long context) does each stage's dQ go
+            into dx and dwq at once instead (``AttentionProjections.query_grads_wait``).
   weights : a stage whose heads are not contiguous gathers its U*d rows of wq and columns of wo
             (independent of the sequence length, so negligible at long context).
   overlap : with ``overlap_stages`` (the default) stage s+1's exchanges are started before stage
