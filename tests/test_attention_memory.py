@@ -466,7 +466,7 @@ def test_planned_loops_are_every_iteration(
     """On fake tensors FPDT's chunk loops run the first two chunks and the last, the second
     standing for the middle ones, and park stand-ins for what the others leave in host memory
     (``kernels.tiling.in_order``), and a stage loop whose stages repeat runs its first two
-    stages and the last (``AttentionProjections.stage_order``): 8 chunks, one stage of all heads
+    stages and the last (``HeadStages.stage_order``): 8 chunks, one stage of all heads
     (FPDT) and four stages sharing a KV block (UPipe x FPDT: partial dK/dV parked between
     stages), 4 chunks (the middle query loop of three, whose diagonal pair counts once), and
     UPipe's four stages with the next stage's exchanges in flight and without. Forward and
