@@ -53,14 +53,10 @@ from upipe_dtensor.kernels.document_blocks import segments as document_segments
 from upipe_dtensor.kernels.document_blocks import shared_document, varlen_seqlens
 from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
 from upipe_dtensor.kernels.merge import accumulation_dtype
-from upipe_dtensor.kernels.traced_workspace import backward_workspace_held
+from upipe_dtensor.kernels.traced_workspace import backward_workspace_held, round_up
 from upipe_dtensor.runtime.torch_private import is_fake
 
 # --- dense blocks: one kernel call -------------------------------------------------------------
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _repeat_kv(kv: Tensor, n_rep: int) -> Tensor:
@@ -200,7 +196,7 @@ def _kernel_backward(
             scale=scale,
         )
     else:
-        padded = lse.new_zeros(*lse.shape[:-1], _round_up(lse.shape[-1], 32))
+        padded = lse.new_zeros(*lse.shape[:-1], round_up(lse.shape[-1], 32))
         padded[..., : lse.shape[-1]] = lse
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             gt,

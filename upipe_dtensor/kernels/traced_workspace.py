@@ -20,7 +20,9 @@ from upipe_dtensor.kernels.flash_registry import REGISTRY_IMPLS
 from upipe_dtensor.runtime.torch_private import is_fake
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
+    """``value`` padded to a multiple of ``multiple``: the CUDA attention kernels' padded sizes
+    (rows of 128, head dims and LSE columns of 32)."""
     return -(-value // multiple) * multiple
 
 
@@ -40,10 +42,10 @@ def cuda_backward_workspace_bytes(q: Tensor, k: Tensor, kernel: str) -> int:
     if kernel not in ("flash", "sdpa", *REGISTRY_IMPLS) or q.dtype == torch.float32:
         return 0
     batch, seq_q, heads, head_dim = q.shape
-    kv_heads, rows, width = k.shape[2], _round_up(seq_q, 128), _round_up(head_dim, 32)
+    kv_heads, rows, width = k.shape[2], round_up(seq_q, 128), round_up(head_dim, 32)
     dq_accum = batch * rows * heads * width * 4
     if kernel in REGISTRY_IMPLS:
-        kv_accum = 2 * batch * kv_heads * _round_up(k.shape[1], 128) * width * 4
+        kv_accum = 2 * batch * kv_heads * round_up(k.shape[1], 128) * width * 4
         return dq_accum + 2 * batch * heads * rows * 4 + (kv_accum if kv_heads != heads else 0)
     expanded = 2 * batch * k.shape[1] * heads * head_dim * q.element_size()
     return dq_accum + batch * heads * rows * 4 + (expanded if kv_heads != heads else 0)
