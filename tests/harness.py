@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from upipe_dtensor.models import get_family, init_sharded_weights
 from upipe_dtensor.models.generation import family_module
 from upipe_dtensor.parallel import registry
 from upipe_dtensor.runtime.errors import end_process
@@ -136,6 +137,30 @@ def tiny_qwen3(
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
     return model
+
+
+def llama3_attention(
+    n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int = 8, seed: int = 0
+) -> tuple[nn.Module, tuple, dict]:
+    """The attention layer of a one-block Llama3 of this project's ``llama3`` family (its model
+    class on the installed generation: separate ``wq``/``wk``/``wv``, RoPE kept as the float64
+    frequencies) with torchtitan's initial weights for ``seed``, and the arguments its block
+    passes it after ``x`` (``LongContextModel.block_arguments``: the frequencies, no mask, no
+    positions): ``layer(x, *args, **kwargs)`` on either generation, once a CP style is applied
+    (the frequencies are no table torchtitan's own attention could read)."""
+    family = get_family("llama3")
+    args = family.args_class(
+        dim=n_heads * head_dim,
+        n_layers=1,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=VOCAB,
+        max_seq_len=seq_len,
+    )
+    model = family.model_class(args)
+    init_sharded_weights(model, seed=seed, device=torch.device("cpu"))
+    call_args, call_kwargs = model.block_arguments(model.rope_frequencies(), None, None)
+    return model.layers["0"].attention, call_args, call_kwargs
 
 
 def make_style(case: dict):

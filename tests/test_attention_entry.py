@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_on_ranks, tiny_llama
+from harness import llama3_attention, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -90,20 +90,20 @@ def test_entry_equals_sdpa_for_every_style() -> None:
 
 
 def _frozen_layer_matches_trainable(rank: int, world: int, style: str) -> None:
-    """A tiny Llama's attention with every weight frozen: the same dx as trainable, no weight
-    gradient formed (autograd gets None from the op)."""
+    """A tiny Llama's attention (this project's, called as its block calls it) with every weight
+    frozen: the same dx as trainable, no weight gradient formed (autograd gets None from the
+    op)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     results = []
     for frozen in (False, True):
-        model = tiny_llama(8, 2, SEQ, head_dim=HEAD_DIM, n_layers=1)
-        attention = model.layers["0"].attention
+        attention, args, kwargs = llama3_attention(8, 2, SEQ, head_dim=HEAD_DIM)
         made = {"upipe": UPipeAttention, "ulysses": UlyssesAttention, "ring": RingAttention}
         parallelize_module(attention, mesh, made[style]())
         for p in attention.parameters():
             p.requires_grad_(not frozen)
         torch.manual_seed(1)
         x = torch.randn(1, SEQ // world, 8 * HEAD_DIM, requires_grad=True)
-        attention(x, model.freqs_cis).square().sum().backward()
+        attention(x, *args, **kwargs).square().sum().backward()
         results.append(x.grad)
         grads = [p.grad for p in attention.parameters()]
         assert all((g is None) == frozen for g in grads), (style, frozen)
