@@ -1,26 +1,24 @@
-"""RoPE without a position table: frequencies and angles against transformers and torchtitan."""
+"""RoPE without a position table: frequencies and angles against transformers and torchtitan
+(the installed generation's Llama3 RoPE: 0.2.2's ``precompute_freqs_cis``, 0.3.0's
+``ComplexRoPE``)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 from harness import rel_err
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-pytest.importorskip(  # this file is written against 0.2.2's model classes
-    "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's model classes"
-)
-from torchtitan.models.llama3.model.args import RoPEScalingArgs  # noqa: E402
-from torchtitan.models.llama3.model.model import precompute_freqs_cis  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
-
-from upipe_dtensor.kernels import rope  # noqa: E402
-from upipe_dtensor.kernels.rope import rope_frequencies, rope_table  # noqa: E402
-from upipe_dtensor.models import FLAVORS, Llama3  # noqa: E402
+from upipe_dtensor.kernels import rope
+from upipe_dtensor.kernels.rope import rope_frequencies, rope_table
+from upipe_dtensor.models import build_llama3
+from upipe_dtensor.models.generation import family_module, generation_module
 
 pytestmark = pytest.mark.unit
+
+RoPEScalingArgs = generation_module().RoPEScalingArgs
+"""Llama 3.1's scaling as the installed generation's models hold it."""
 
 # Llama 3.1's scaling, and one with a short original context so that all three bands (kept,
 # interpolated, slowed down) hold frequencies of a head_dim-32 model.
@@ -65,7 +63,7 @@ def test_angles_equal_torchtitans_table(monkeypatch, batched: bool) -> None:
     """The angles of the given positions only, tile by tile, equal torchtitan's table rows."""
     monkeypatch.setattr(rope, "TILE_TOKENS", 7)  # several tiles, the last one partial
     theta, scaling = SCALINGS["three-bands"]
-    table = precompute_freqs_cis(32, 4096, theta, scaling)
+    table = family_module("llama3").torchtitan_rope_table(32, 4096, theta, scaling)
     positions = torch.randint(
         0, 4096, (2, 40) if batched else (40,), generator=torch.Generator().manual_seed(0)
     )
@@ -77,7 +75,13 @@ def test_angles_equal_torchtitans_table(monkeypatch, batched: bool) -> None:
 
 
 def test_no_position_table_at_5m_tokens() -> None:
-    """The model's RoPE buffer is head_dim/2 frequencies, not a max_seq_len-row table."""
+    """The model's RoPE is head_dim/2 frequencies, not a max_seq_len-row table: the frequencies
+    its blocks read, and every buffer it holds (0.3.0 keeps one in each layer's ``rope``)."""
     with torch.device("meta"):
-        model = Llama3(dataclasses.replace(FLAVORS["8B"], max_seq_len=5 * 2**20))
-    assert model.freqs_cis.shape == (64,) and model.freqs_cis.dtype == torch.float64
+        model = build_llama3("8B", seq_len=5 * 2**20)
+    frequencies = model.rope_frequencies()
+    assert frequencies.shape == (64,) and frequencies.dtype == torch.float64
+    buffers = dict(model.named_buffers())
+    assert buffers and all(b.numel() <= 64 for b in buffers.values()), {
+        name: tuple(b.shape) for name, b in buffers.items()
+    }

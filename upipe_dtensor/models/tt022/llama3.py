@@ -21,8 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 from torchtitan.models.llama3 import llama3_args
-from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import Attention, FeedForward, Transformer
+from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
+from torchtitan.models.llama3.model.model import (
+    Attention,
+    FeedForward,
+    Transformer,
+    precompute_freqs_cis,
+)
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from upipe_dtensor.kernels.rope import rope_frequencies
@@ -30,7 +35,14 @@ from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_h
 from upipe_dtensor.models.tt022 import Decoder022
 from upipe_dtensor.parallel.attention_kinds import AttentionKind
 
-__all__ = ["FLAVORS", "Llama3", "Llama3Args", "build_llama3", "torchtitan_model"]
+__all__ = [
+    "FLAVORS",
+    "Llama3",
+    "Llama3Args",
+    "build_llama3",
+    "torchtitan_model",
+    "torchtitan_rope_table",
+]
 
 ATTENTION_CLASS = Attention
 """torchtitan's attention module of the family, which the CP styles replace."""
@@ -206,6 +218,15 @@ def torchtitan_model(
     with torch.no_grad():
         model.init_weights()
     return model
+
+
+def torchtitan_rope_table(
+    head_dim: int, seq_len: int, theta: float, scaling: RoPEScalingArgs
+) -> torch.Tensor:
+    """torchtitan's own Llama3 RoPE table for ``seq_len`` positions, (seq_len, head_dim/2)
+    complex64, Llama 3.1's ``scaling`` included (``precompute_freqs_cis``): the reference the
+    float64 angles of ``kernels.rope`` are checked against (tests)."""
+    return precompute_freqs_cis(head_dim, seq_len, theta, scaling)
 
 
 ARGS_CLASS = Llama3Args

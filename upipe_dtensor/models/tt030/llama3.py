@@ -49,7 +49,14 @@ from upipe_dtensor.models.tt030 import (
     with_norm_eps,
 )
 
-__all__ = ["FLAVORS", "Llama3", "Llama3Args", "build_llama3", "torchtitan_model"]
+__all__ = [
+    "FLAVORS",
+    "Llama3",
+    "Llama3Args",
+    "build_llama3",
+    "torchtitan_model",
+    "torchtitan_rope_table",
+]
 
 ATTENTION_CLASS = GQAttention
 """torchtitan's attention module of the family, which the CP styles replace (Qwen3's too)."""
@@ -264,6 +271,19 @@ def torchtitan_model(
     with torch.no_grad():
         model.init_weights()
     return model
+
+
+def torchtitan_rope_table(
+    head_dim: int, seq_len: int, theta: float, scaling: RoPEScalingArgs
+) -> torch.Tensor:
+    """torchtitan's own Llama3 RoPE table for ``seq_len`` positions, (seq_len, head_dim/2)
+    complex64, Llama 3.1's ``scaling`` included (the cache of torchtitan's ``ComplexRoPE``,
+    configured as our models configure theirs): the reference the float64 angles of
+    ``kernels.rope`` are checked against (tests)."""
+    args = Llama3Args(
+        head_dim=head_dim, rope_theta=theta, rope_scaling_args=scaling, max_seq_len=seq_len
+    )
+    return ComplexRoPE(args.rope_config(ComplexRoPE)).cache
 
 
 ARGS_CLASS = Llama3Args
