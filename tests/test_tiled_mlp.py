@@ -1,4 +1,7 @@
-"""Tiled SwiGLU MLP: same numbers as torchtitan's FeedForward, compiles as one node, less memory."""
+"""Tiled SwiGLU MLP: same numbers as torchtitan's FeedForward, compiles as one node, less memory.
+
+The model tests run torchtitan's own Llama3 of the installed generation (``harness.tiny_llama``),
+whose MLP is the ``llama3`` family's registered class."""
 
 from __future__ import annotations
 
@@ -11,18 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from functorch.compile import make_boxed_func
-from harness import rel_err
+from harness import rel_err, tiny_llama
 from torch._dynamo.backends.common import aot_autograd
 from torch.profiler import ProfilerActivity, profile
 
-pytest.importorskip(  # this file is written against 0.2.2's model classes
-    "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's model classes"
-)
-from torchtitan.models.llama3.model.args import TransformerModelArgs  # noqa: E402
-from torchtitan.models.llama3.model.model import FeedForward, Transformer  # noqa: E402
-
-from upipe_dtensor.memory import tiled_mlp  # noqa: E402
-from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_class, tiled_swiglu  # noqa: E402
+from upipe_dtensor.memory import tiled_mlp
+from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_class, tiled_swiglu
+from upipe_dtensor.models import get_family
 
 pytestmark = pytest.mark.unit
 
@@ -86,13 +84,9 @@ def test_bfloat16_within_rounding(tile) -> None:
         assert rel_err(t, r) <= 2 * rel_err(p, r) + 2e-3, (name, rel_err(t, r), rel_err(p, r))
 
 
-def _tiny_llama() -> Transformer:
-    args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=32)
-    torch.manual_seed(0)
-    model = Transformer(args)
-    with torch.no_grad():
-        model.init_weights()
-    return model
+def _tiny_llama() -> torch.nn.Module:
+    """torchtitan's Llama3: D = 64 (4 heads of 16), FFN 256, 2 layers, 32 tokens."""
+    return tiny_llama(4, 4, 32, head_dim=16)
 
 
 @pytest.mark.parametrize("tile", [0, 20])  # 0: auto (64 = dim), here one tile of 64 tokens
@@ -107,7 +101,8 @@ def test_apply_to_llama_matches_untouched_model(tile, monkeypatch) -> None:
         return tiled_swiglu(*args)
 
     monkeypatch.setattr(tiled_mlp, "tiled_swiglu", spy)
-    assert all(type(b.feed_forward) is tiled_mlp_class(FeedForward) for b in model.layers.values())
+    tiled = tiled_mlp_class(get_family("llama3").mlp_class)
+    assert all(type(b.feed_forward) is tiled for b in model.layers.values())
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(3))
     logits = {}
     for name, m in (("reference", reference), ("tiled", model)):
@@ -121,21 +116,21 @@ def test_apply_to_llama_matches_untouched_model(tile, monkeypatch) -> None:
         assert rel_err(param.grad, ref_params[name].grad) < 1e-5, name
 
 
-def test_compiled_block_matches_eager_with_the_op_kept_whole() -> None:
+def test_compiled_model_matches_eager_with_the_op_kept_whole() -> None:
+    """The whole model compiled (each generation calls its blocks with other arguments: 0.2.2
+    passes the RoPE table, 0.3.0's attention holds it): logits and every gradient as eager, and
+    the MLP one opaque node each way."""
     torch._dynamo.reset()
     model = _tiny_llama()
     apply_tiled_mlp(model, 24)
-    block = model.layers["0"]
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 32, 64, generator=gen)
-    grad = torch.randn(2, 32, 64, generator=gen)
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4))
+    grad = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(5))
 
     def run(fn):
-        block.zero_grad()
-        xi = x.clone().requires_grad_()
-        out = fn(xi, model.freqs_cis, None)
+        model.zero_grad()
+        out = fn(tokens)
         out.backward(grad)
-        return [out.detach(), xi.grad] + [p.grad.clone() for p in block.parameters()]
+        return [out.detach()] + [p.grad.clone() for p in model.parameters()]
 
     graphs = {}
 
@@ -146,9 +141,10 @@ def test_compiled_block_matches_eager_with_the_op_kept_whole() -> None:
 
         return compiler
 
-    eager = run(block)
+    eager = run(model)
     backend = aot_autograd(fw_compiler=capture("fw"), bw_compiler=capture("bw"))
-    compiled = run(torch.compile(block, backend=backend, fullgraph=True))
+    compiled = run(torch.compile(model, backend=backend, fullgraph=True))
+    assert len(compiled) == len(eager) > 10
     for a, e in zip(compiled, eager):
         assert rel_err(a, e) < 1e-5
     # The MLP is one opaque node each way: nothing whole-sequence x F for the compiler to keep.
@@ -226,7 +222,9 @@ def test_rejects_bad_tile_sizes() -> None:
         apply_tiled_mlp(_tiny_llama(), -1)
 
 
-class _GeluMLP(FeedForward):
+class _GeluMLP(get_family("llama3").mlp_class):
+    """The family's MLP with GELU in place of SiLU: its weights, another function."""
+
     def forward(self, x):
         return self.w2(F.gelu(self.w1(x)) * self.w3(x))
 
@@ -241,7 +239,7 @@ def test_rejects_non_swiglu_modules() -> None:
     assert "forward" not in vars(model.layers["0"].feed_forward)  # nothing half-applied
 
     model = _tiny_llama()
-    model.layers["0"].feed_forward = _GeluMLP(64, 256, 256, None)
+    model.layers["0"].feed_forward.__class__ = _GeluMLP
     with pytest.raises(ValueError, match=r"layers\.0\.feed_forward is _GeluMLP"):
         apply_tiled_mlp(model)
 
