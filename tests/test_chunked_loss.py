@@ -1,4 +1,5 @@
-"""Chunked linear + cross-entropy == the plain logits path: loss, gradients, compile and memory."""
+"""Chunked linear + cross-entropy == the plain logits path: loss, gradients, compile and memory;
+and in torchtitan's own Llama3 of the installed generation, every parameter's gradient."""
 
 from __future__ import annotations
 
@@ -10,13 +11,8 @@ import torch.nn.functional as F
 from harness import rel_err
 from torch.profiler import ProfilerActivity, profile
 
-pytest.importorskip(  # this file is written against 0.2.2's model classes
-    "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's model classes"
-)
-from torchtitan.models.llama3.model.args import TransformerModelArgs  # noqa: E402
-from torchtitan.models.llama3.model.model import Transformer  # noqa: E402
-
-from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum  # noqa: E402
+from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
+from upipe_dtensor.models.generation import family_module, generation_module
 
 pytestmark = pytest.mark.unit
 
@@ -162,12 +158,14 @@ def test_accumulates_across_calls() -> None:
 
 
 def test_llama_every_parameter_gradient_matches() -> None:
+    """torchtitan's Llama3 (D 64, 4 heads, 2 layers, vocabulary 128): its logits' loss against
+    the chunked loss of its output layer's input and weight (the layer's name differs between
+    the generations: ``generation_module().OUTPUT_WEIGHT``)."""
     torch.manual_seed(0)
-    model = Transformer(
-        TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
+    model = family_module("llama3").torchtitan_model(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=128, seq_len=32
     )
-    with torch.no_grad():
-        model.init_weights()
+    output = model.get_submodule(generation_module().OUTPUT_WEIGHT.removesuffix(".weight"))
     tokens = torch.randint(0, 128, (2, 32))
     labels = ignore_some(torch.randint(0, 128, (2, 32)), every=6)
 
@@ -181,11 +179,11 @@ def test_llama_every_parameter_gradient_matches() -> None:
     )
     plain_grads = grads(plain)
 
-    h = model.tok_embeddings(tokens)
-    for layer in model.layers.values():
-        h = layer(h, model.freqs_cis, attention_masks=None)
-    h = model.norm(h)
-    loss = chunked_cross_entropy_sum(h, model.output.weight, labels, chunk_tokens=13)
+    hidden = []  # the final norm's output, as the output layer receives it
+    hook = output.register_forward_hook(lambda module, args, out: hidden.append(args[0]))
+    model(tokens)  # its logits are left unused: only the chunked loss is differentiated
+    hook.remove()
+    loss = chunked_cross_entropy_sum(hidden[0], output.weight, labels, chunk_tokens=13)
     chunked_grads = grads(loss)
 
     assert rel_err(loss.detach(), plain.detach()) < FP32_TOL
