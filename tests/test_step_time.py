@@ -15,15 +15,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-pytest.importorskip(  # this file is written against 0.2.2's model classes
-    "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's model classes"
-)
-from torchtitan.models.llama3.model.model import Transformer  # noqa: E402
-
-from upipe_dtensor.config import parse_args  # noqa: E402
-from upipe_dtensor.models.hf_config import model_args  # noqa: E402
-from upipe_dtensor.planning.communication_volume import layer_traffic  # noqa: E402
-from upipe_dtensor.planning.hardware import (  # noqa: E402
+from upipe_dtensor.config import parse_args
+from upipe_dtensor.models import get_family
+from upipe_dtensor.models.hf_config import model_args
+from upipe_dtensor.planning.communication_volume import layer_traffic
+from upipe_dtensor.planning.hardware import (
     ENDS,
     GPU_PROFILES,
     H100_SXM,
@@ -31,9 +27,9 @@ from upipe_dtensor.planning.hardware import (  # noqa: E402
     AttentionRates,
     HardwareProfile,
 )
-from upipe_dtensor.planning.step import plan_job  # noqa: E402
-from upipe_dtensor.planning.step_time import StepShape, predict_step_time, speedup  # noqa: E402
-from upipe_dtensor.planning.step_work import StepWork, Traffic, attention_flops, visible_pairs  # noqa: E402
+from upipe_dtensor.planning.step import plan_job
+from upipe_dtensor.planning.step_time import StepShape, predict_step_time, speedup
+from upipe_dtensor.planning.step_work import StepWork, Traffic, attention_flops, visible_pairs
 
 pytestmark = pytest.mark.unit
 
@@ -90,22 +86,26 @@ def test_matmul_flops_are_six_per_parameter_and_token_without_recompute() -> Non
     """No activation checkpointing: every Linear of torchtitan's model does 2 FLOPs per weight and
     token forward and 4 backward, however the attention op, the MLP tiles and the loss chunks
     run them (torchtitan's 6 N per token), plus 2 per token for wq, wk and wv, which the
-    attention op projects again in its backward instead of saving Q, K, V."""
+    attention op projects again in its backward instead of saving Q, K, V. The model is the
+    job's family's, torchtitan's model class of the installed generation (0.3.0 holds wq, wk and
+    wv in the attention's ``qkv_linear``)."""
     config, plan = _debug_plan(
         "--parallelism.cp_style", "ulysses", "--activation_checkpoint.mode", "none"
     )
+    args = model_args(config.model, 512)
     with torch.device("meta"):
-        model = Transformer(model_args(config.model, 512))
+        model = get_family(config.model.name).model_class(args)
     linear_params = sum(
         module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear)
     )
-    projections = sum(
-        getattr(block.attention, name).weight.numel()
-        for block in model.layers.values()
-        for name in ("wq", "wk", "wv")
-    )
+    projections = [
+        module.weight.numel()
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv")
+    ]
+    assert len(projections) == 3 * args.n_layers
     tokens = config.training.local_batch_size * 512 // config.parallelism.context_parallel_degree
-    assert plan.speed.work["matmul FLOPs"] == (6 * linear_params + 2 * projections) * tokens
+    assert plan.speed.work["matmul FLOPs"] == (6 * linear_params + 2 * sum(projections)) * tokens
 
 
 @pytest.mark.parametrize("style", ["upipe", "ulysses"])
