@@ -47,14 +47,15 @@ from live_memory import (
     region_memory,
     split_events,
 )
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
-from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
+from upipe_dtensor.models import get_family, init_sharded_weights
 from upipe_dtensor.parallel import registry
+from upipe_dtensor.runtime.parity import cast_parameters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FORWARD, BACKWARD, LAYER = "bench::forward", "bench::backward", "bench::layer"
@@ -137,19 +138,26 @@ class Row:
     frees_put_back: int
 
 
-def build_attention(cfg: Config) -> Attention:
-    """A torchtitan Llama3 attention layer, identical on every rank."""
-    args = TransformerModelArgs(
+def build_attention(cfg: Config) -> tuple[nn.Module, tuple, dict[str, Any]]:
+    """A Llama3 attention layer, identical on every rank: this project's (the ``llama3``
+    family's model class on the installed torchtitan generation, separate wq/wk/wv, RoPE as the
+    float64 frequencies) with torchtitan's initial weights, in ``cfg``'s dtype; and the arguments
+    its block passes it after ``x`` (the frequencies, no mask, no positions)."""
+    family = get_family("llama3")
+    args = family.args_class(
         dim=cfg.n_heads * cfg.head_dim,
+        n_layers=1,
         n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads,
+        vocab_size=8,  # the embeddings and the output layer are not measured (nor kept)
         max_seq_len=cfg.seq_len,
     )
-    torch.manual_seed(0)
-    attention = Attention(args)
-    with torch.no_grad():
-        attention.init_weights(0.02)
-    return attention.to(DTYPES[cfg.dtype])
+    model = family.model_class(args)
+    init_sharded_weights(model, seed=0, device=torch.device("cpu"))
+    attention = model.layers["0"].attention
+    cast_parameters(attention, DTYPES[cfg.dtype])  # the RoPE frequencies stay float64
+    call_args, call_kwargs = model.block_arguments(model.rope_frequencies(), None, None)
+    return attention, call_args, call_kwargs
 
 
 def _max_over_ranks(mine: RegionMemory) -> RegionMemory:
@@ -185,13 +193,14 @@ def make_style(cfg: Config, variant: Variant):
     return registry.make_style(values)
 
 
-def measure(cfg: Config, variant: Variant, mesh: DeviceMesh, freqs_cis: torch.Tensor) -> Row:
+def measure(cfg: Config, variant: Variant, mesh: DeviceMesh) -> Row:
     """Profile one forward and one backward of a fresh layer in this variant."""
     dtype, dim = DTYPES[cfg.dtype], cfg.n_heads * cfg.head_dim
     style = make_style(cfg, variant)
-    attention = parallelize_module(build_attention(cfg), mesh, style)
+    attention, args, kwargs = build_attention(cfg)
+    attention = parallelize_module(attention, mesh, style)
     # Warm-up on a short shard, so one-off lazy allocations do not count as the layer's.
-    attention(torch.randn(cfg.batch, 8, dim, dtype=dtype), freqs_cis).sum().backward()
+    attention(torch.randn(cfg.batch, 8, dim, dtype=dtype), *args, **kwargs).sum().backward()
     attention.zero_grad(set_to_none=True)
 
     torch.manual_seed(1 + dist.get_rank())
@@ -203,9 +212,9 @@ def measure(cfg: Config, variant: Variant, mesh: DeviceMesh, freqs_cis: torch.Te
     with profiler() as prof, record_function(LAYER):
         with record_function(FORWARD):
             if cfg.checkpoint:
-                out = checkpoint(attention, x, freqs_cis, use_reentrant=False)
+                out = checkpoint(attention, x, *args, use_reentrant=False, **kwargs)
             else:
-                out = attention(x, freqs_cis)
+                out = attention(x, *args, **kwargs)
         with record_function(BACKWARD):
             out.backward(grad)
     survivors = [out, x.grad, *(p.grad for p in attention.parameters())]
@@ -233,8 +242,7 @@ def _host_bytes(style) -> int:
 def _rank_rows(rank: int, cfg: Config) -> list[dict]:
     """One CP rank: measure every variant in turn (ranks stay in step through the collectives)."""
     mesh = init_device_mesh("cpu", (cfg.cp,), mesh_dim_names=("cp",))
-    freqs_cis = precompute_freqs_cis(cfg.head_dim, cfg.seq_len, 500000.0)
-    return [asdict(measure(cfg, v, mesh, freqs_cis)) for v in cfg.variants]
+    return [asdict(measure(cfg, v, mesh)) for v in cfg.variants]
 
 
 def run(cfg: Config) -> list[Row]:

@@ -194,9 +194,6 @@ def test_the_benchmark_rows_run_the_style_they_name() -> None:
         UPipeFPDTAttention,
     )
 
-    pytest.importorskip(  # the benchmark measures torchtitan 0.2.2's attention layer
-        "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's attention layer"
-    )
     bench = _benchmark("attention_memory")
     config = bench.Config(4, 8192, 1, 32, 8, 64, "float32", bench.default_variants(4, 32, [4], [4]))
     styles = {v.name: bench.make_style(config, v) for v in config.variants}
