@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
 from upipe_dtensor.runtime.torch_private import CHECKPOINT_PREFIX, is_fake
 
@@ -43,10 +44,11 @@ class ForwardPlan:
     checkpoint_groups: tuple = ()
     """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order;
     empty: the blocks run one by one (each may checkpoint itself)."""
-    shard_rope: Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None = None
-    """The CP style's ``shard_rope``: ``forward`` computes this rank's RoPE table once, from the
-    frequencies and the positions, and every block (and its recompute) reads that one table.
-    None: each block derives it from the frequencies."""
+    shard_rope: Callable[..., torch.Tensor] | None = None
+    """The CP style's ``shard_rope``: ``forward`` computes this rank's RoPE table once, by the
+    model's rule (``rope_table``) at the layout's positions or the given ones, and every block
+    (and its recompute) reads that one table. None: each block derives it from the
+    frequencies."""
 
 
 PLAIN = ForwardPlan()
@@ -66,11 +68,16 @@ class LongContextModel(nn.Module):
         """The RoPE inverse frequencies (float64, (head_dim/2,)) the blocks read."""
         raise NotImplementedError
 
+    def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """The RoPE table at ``positions`` (``kernels.rope.rope_table``), from the frequencies."""
+        return rope_table(self.rope_frequencies(), positions)
+
     def block_arguments(
-        self, rope: torch.Tensor, attention_masks, positions: torch.Tensor | None
+        self, rope: torch.Tensor | None, attention_masks, positions: torch.Tensor | None
     ) -> tuple[tuple, dict[str, Any]]:
-        """The arguments after ``h`` of every block's call: ``rope`` is the frequencies or this
-        shard's table (``ForwardPlan.shard_rope``), ``positions`` None with a table."""
+        """The arguments after ``h`` of every block's call: ``rope`` this shard's table
+        (``ForwardPlan.shard_rope``; ``positions`` None then), or None for each attention to
+        derive it from the frequencies."""
         raise NotImplementedError
 
     def reset_rope(self, device: torch.device) -> None:
@@ -101,9 +108,10 @@ class LongContextModel(nn.Module):
         (tokens, vocab) logits.
         """
         h = self.tok_embeddings(tokens)
-        rope = self.rope_frequencies()
+        rope = None
         if plan.shard_rope is not None:  # once per forward, not per block (nor per recompute)
-            rope, positions = plan.shard_rope(rope, tokens.shape[1], positions), None
+            rope = plan.shard_rope(self.rope_table, tokens.shape[1], positions, tokens.device)
+            positions = None
         args, kwargs = self.block_arguments(rope, attention_masks, positions)
         if plan.checkpoint_groups:
             for group in plan.checkpoint_groups:

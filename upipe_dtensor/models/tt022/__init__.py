@@ -34,6 +34,9 @@ class Decoder022(LongContextModel):
         return getattr(self, self.ROPE_BUFFER)
 
     def block_arguments(self, rope, attention_masks, positions) -> tuple[tuple, dict]:
+        # RoPE goes where 0.2.2's blocks take it (``freqs_cis``): this shard's table, or the
+        # frequencies (``models.tt022.attention`` tells the two apart).
+        rope = self.rope_frequencies() if rope is None else rope
         return (rope,), {"attention_masks": attention_masks, "positions": positions}
 
     def reset_rope(self, device: torch.device) -> None:

@@ -28,13 +28,13 @@ from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAda
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
 from upipe_dtensor.models.tt022 import Decoder022
-from upipe_dtensor.parallel.attention_kinds import AttentionKind
+from upipe_dtensor.models.tt022.attention import Attention022
 
 __all__ = ["FLAVORS", "Llama3", "Llama3Args", "build_llama3", "torchtitan_model"]
 
 ATTENTION_CLASS = Attention
 """torchtitan's attention module of the family, which the CP styles replace."""
-ATTENTION_KIND = AttentionKind(family="llama3", rope_pairs="interleaved")
+ATTENTION_ADAPTER = Attention022("llama3", "interleaved")
 MLP_CLASS = FeedForward
 HF_ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
 """The weights Hugging Face stores permuted for its RoPE pairing (torchtitan's adapter permutes
