@@ -163,6 +163,21 @@ def cp_mesh(case: dict, cp: int):
     return init_device_mesh("cpu", (cp,))
 
 
+def case_meshes(case: dict, cp: int):
+    """(the cp mesh, the tp mesh or None, this rank's cp group, its cp rank) of a case on
+    cp x ``case["tp"]`` ranks, tp innermost as torchtitan lays them out. Without "tp" the cp mesh
+    is the whole world (``cp_mesh``; group None: the world's)."""
+    tp = case.get("tp", 1)
+    if tp == 1:
+        return cp_mesh(case, cp), None, None, dist.get_rank()
+    ring = case.get("ring")
+    cp_shape, cp_names = ((ring, cp // ring), ("cp_ring", "cp_heads")) if ring else ((cp,), ("cp",))
+    world = init_device_mesh("cpu", (*cp_shape, tp), mesh_dim_names=(*cp_names, "tp"))
+    mesh = world[cp_names]
+    flat = mesh._flatten("cp_flat") if ring else mesh
+    return mesh, world["tp"], flat.get_group(), flat.get_local_rank()
+
+
 _REPO = Path(__file__).resolve().parents[1]
 
 # Meta's config.json of Llama-3.1-8B, as published with its weights.

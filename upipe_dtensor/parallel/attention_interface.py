@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from upipe_dtensor.kernels.rope import RopePairs
 from upipe_dtensor.parallel.qk_transform import QK_TRANSFORMS
@@ -109,7 +110,7 @@ class AttentionCall(NamedTuple):
 
 class AttentionAdapter:
     """How the context-parallel styles read the modules of one attention class: subclasses (one
-    per model family and torchtitan generation) implement the four methods."""
+    per model family and torchtitan generation) implement the methods below."""
 
     def check(self, module: nn.Module) -> None:
         """ValueError when ``module`` is of the class but not a form the fused op computes (a
@@ -123,6 +124,12 @@ class AttentionAdapter:
 
     def call(self, module: nn.Module, *args: object, **kwargs: object) -> AttentionCall:
         """The arguments of one ``module.forward(*args, **kwargs)`` call."""
+        raise NotImplementedError
+
+    def tensor_parallel_plan(self, module: nn.Module) -> dict[str, ParallelStyle]:
+        """torchtitan's tensor-parallel layout of ``module``'s parameters (``parallel.
+        tensor_parallel``), by submodule name: the plan ``parallelize_module`` applies over a
+        ``tp`` mesh before the context-parallel style."""
         raise NotImplementedError
 
 

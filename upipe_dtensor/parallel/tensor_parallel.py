@@ -20,9 +20,17 @@ with DTensor's own ``redistribute``, ``to_local`` and ``from_local``.
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from upipe_dtensor.parallel.attention_interface import FusedQKV, ModuleWeights
 from upipe_dtensor.parallel.attention_op import AttentionWeights
@@ -123,10 +131,34 @@ def split_fused_qkv(weight: Tensor, queries_per_kv: int, head_dim: int) -> list[
 
 def module_output(y: Tensor, given: Tensor, mesh: DeviceMesh | None) -> Tensor:
     """The module's output from the op's ``y`` (this rank's heads' part of ``wo``'s product):
-    summed over ``tp`` into the layout the input ``given`` arrived in."""
+    summed over ``tp`` into the layout the input ``given`` arrived in, as a local tensor (this
+    rank's sequence-parallel shard under sequence parallelism, the whole shard otherwise), as
+    torch's row-wise ``wo`` would return it to the block's residual stream."""
     if mesh is None:
         return y
     partial = DTensor.from_local(y, mesh, (Partial(),), run_check=False)
-    if isinstance(given, DTensor):
-        return partial.redistribute(mesh, given.placements)
-    return partial.redistribute(mesh, _REPLICATED).to_local()
+    placements = given.placements if isinstance(given, DTensor) else _REPLICATED
+    return partial.redistribute(mesh, placements).to_local()
+
+
+class ReplicateParameters(ParallelStyle):
+    """A module's parameters as DTensors replicated over the ``tp`` mesh, and no hooks: for
+    weights each rank computes with on its own heads or tokens (the per-head Q/K norms inside the
+    fused op), whose gradients are partial sums there that DTensor (and FSDP2) reduce over
+    ``tp``. torch's ``SequenceParallel`` replicates too, but installs input and output hooks for a
+    module that is called; these modules are not."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
+
+
+def attention_plan(
+    projections: tuple[str, ...], wo: str, norms: tuple[str, ...] = ()
+) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of one attention module (submodule names relative to it):
+    ``projections`` (Q, K, V, or the fused Q/K/V) column-wise, ``wo`` row-wise into the
+    sequence-parallel shard, the per-head ``norms`` replicated (the adapters name the parts)."""
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in projections}
+    plan[wo] = RowwiseParallel(output_layouts=Shard(1))
+    plan.update({name: ReplicateParameters() for name in norms})
+    return plan

@@ -16,6 +16,7 @@ import functools
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from upipe_dtensor.kernels.rope import (
     RopePairs,
@@ -30,6 +31,7 @@ from upipe_dtensor.parallel.attention_interface import (
     ModuleWeights,
     norm_epsilon,
 )
+from upipe_dtensor.parallel.tensor_parallel import attention_plan
 
 _PARTS = ("wq", "wk", "wv", "wo", "n_heads", "n_kv_heads", "head_dim")
 
@@ -105,3 +107,7 @@ class Attention022(AttentionAdapter):
             rope_at=functools.partial(rule, freqs_cis),
             rope_positions=reach,
         )
+
+    def tensor_parallel_plan(self, module: nn.Module) -> dict[str, ParallelStyle]:
+        norms = ("q_norm", "k_norm") if _norms(module) is not None else ()
+        return attention_plan(("wq", "wk", "wv"), "wo", norms)

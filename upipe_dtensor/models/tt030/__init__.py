@@ -18,6 +18,9 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE, RoPE
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
@@ -150,6 +153,27 @@ def with_block_class(layers: list[Any], block_class: type[nn.Module]) -> list[An
         block_class.Config(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)})
         for layer in layers
     ]
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """torchtitan 0.3.0's ``Embedding`` split by vocabulary rows over a ``tp`` mesh, its output
+    reduced into the sequence-parallel shard (``models.tensor_parallel``): the module computes
+    its rows' part itself once given its ``tp_group`` (torch's ``RowwiseParallel`` computes on
+    DTensors, which this module's forward unwraps)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_group = device_mesh.get_group()
+
+        def rows(name: str, part: nn.Module, mesh: DeviceMesh) -> None:
+            if part is module:
+                weight = distribute_tensor(part.weight, mesh, [Shard(0)])
+                part.register_parameter("weight", nn.Parameter(weight))
+
+        def reduced(part: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+            partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
+            return partial.redistribute(mesh, [Shard(1)]).to_local()
+
+        return distribute_module(module, device_mesh, rows, output_fn=reduced)
 
 
 class Decoder030(LongContextModel):

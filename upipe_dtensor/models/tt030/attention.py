@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
 from upipe_dtensor.kernels.rope import complex_table_rows, cos_sin_table_rows, rope_table
@@ -27,6 +28,7 @@ from upipe_dtensor.parallel.attention_interface import (
     ModuleWeights,
     norm_epsilon,
 )
+from upipe_dtensor.parallel.tensor_parallel import attention_plan
 
 _PARTS = ("qkv_linear", "wo", "rope", "n_heads", "n_kv_heads", "head_dim")
 
@@ -96,6 +98,12 @@ class GQAttentionAdapter(AttentionAdapter):
             rope_at=functools.partial(rule, part.cache),
             rope_positions=reach,
         )
+
+    def tensor_parallel_plan(self, module: nn.Module) -> dict[str, ParallelStyle]:
+        fused = hasattr(module.qkv_linear, "wqkv")
+        names = ("wqkv",) if fused else ("wq", "wk", "wv")
+        norms = () if module.q_norm is None else ("q_norm", "k_norm")
+        return attention_plan(tuple(f"qkv_linear.{n}" for n in names), "wo", norms)
 
 
 GQA_ADAPTER = GQAttentionAdapter()
