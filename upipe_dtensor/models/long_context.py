@@ -19,10 +19,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
+from upipe_dtensor.runtime.sharded_compute import local_weight
 from upipe_dtensor.runtime.torch_private import CHECKPOINT_PREFIX, is_fake
 
 IGNORE_INDEX = -100
@@ -120,19 +121,35 @@ class LongContextModel(nn.Module):
             for layer in self.layers.values():
                 h = layer(h, *args, **kwargs)
         h = self.norm(h)
+        if isinstance(h, DTensor):  # tensor parallelism: this rank's sequence-parallel tokens
+            return self._sequence_parallel_head(h, labels, per_token, plan)
+        return self._head(h, self.output, self.output.weight, labels, per_token, plan)
+
+    def _head(
+        self,
+        h: torch.Tensor,
+        project: Callable[[torch.Tensor], torch.Tensor],
+        weight: torch.Tensor,
+        labels: torch.Tensor | None,
+        per_token: bool,
+        plan: ForwardPlan,
+    ) -> torch.Tensor:
+        """The logits of ``h`` by ``project`` (the output layer, of ``weight``), or the loss."""
         if labels is None:
-            return self.output(h)
+            return project(h)
         if per_token:
-            return self._token_losses(h, labels, plan.loss_chunk_tokens or EVAL_CHUNK_TOKENS)
+            return self._token_losses(
+                h, project, labels, plan.loss_chunk_tokens or EVAL_CHUNK_TOKENS
+            )
         if plan.loss_chunk_tokens:
             return chunked_cross_entropy_sum(
                 h,
-                self.output.weight,
+                weight,
                 labels,
                 chunk_tokens=plan.loss_chunk_tokens,
                 ignore_index=IGNORE_INDEX,
             )
-        logits = self.output(h)
+        logits = project(h)
         return F.cross_entropy(
             logits.flatten(0, 1).float(),
             labels.flatten(),
@@ -140,12 +157,40 @@ class LongContextModel(nn.Module):
             reduction="sum",
         )
 
-    def _token_losses(self, h: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def _sequence_parallel_head(
+        self,
+        h: DTensor,
+        labels: torch.Tensor | None,
+        per_token: bool,
+        plan: ForwardPlan,
+    ) -> torch.Tensor:
+        """``_head`` under tensor parallelism (``models.tensor_parallel``): each rank on its
+        sequence-parallel 1/tp of the tokens (``h``'s local rows, their labels) with the
+        replicated output weight, whose gradient is this rank's partial sum (reduced over tp by
+        DTensor and FSDP2); the loss sums are this rank's tokens', the logits and per-token
+        losses the whole CP shard's (gathered over tp)."""
+        mesh = h.device_mesh
+        weight = local_weight(self.output.weight, partial_grad=True)
+        if labels is not None:
+            labels = labels.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+        project = functools.partial(F.linear, weight=weight)
+        out = self._head(h.to_local(), project, weight, labels, per_token, plan)
+        if labels is not None and not per_token:
+            return out
+        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False).full_tensor()
+
+    @staticmethod
+    def _token_losses(
+        h: torch.Tensor,
+        project: Callable[[torch.Tensor], torch.Tensor],
+        labels: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
         """Each token's cross-entropy, ``chunk`` tokens at a time (for evaluation, no autograd)."""
         h_flat, labels_flat = h.flatten(0, 1), labels.flatten()
         losses = torch.empty(labels_flat.shape, dtype=torch.float32, device=h.device)
         for start in range(0, labels_flat.shape[0], chunk):
-            logits = self.output(h_flat[start : start + chunk]).float()
+            logits = project(h_flat[start : start + chunk]).float()
             losses[start : start + chunk] = F.cross_entropy(
                 logits,
                 labels_flat[start : start + chunk],

@@ -31,13 +31,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from upipe_dtensor.memory.tiled_mlp import is_tiled_mlp
 from upipe_dtensor.models.generation import generation_module
 from upipe_dtensor.parallel.attention_interface import attention_adapter
 from upipe_dtensor.parallel.tensor_parallel import ReplicateParameters
 
 
 def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
-    """One block's plan, by submodule name."""
+    """One block's plan, by submodule name. A tiled MLP (``memory.tiled_mlp``: apply it first)
+    takes its sequence-parallel input as it arrives and gathers it itself."""
     attention = block.attention
     plan: dict[str, ParallelStyle] = {
         f"attention.{name}": style
@@ -47,14 +49,15 @@ def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
         {
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
     )
+    if not is_tiled_mlp(block.feed_forward):
+        plan["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
     return plan
 
 

@@ -52,13 +52,9 @@ from upipe_dtensor.parallel.style_options import (
     UlyssesOptions,
     UPipeOptions,
 )
-from upipe_dtensor.parallel.tensor_parallel import (
-    local_input,
-    local_weights,
-    module_output,
-    tensor_parallel_mesh,
-)
+from upipe_dtensor.parallel.tensor_parallel import local_weights, tensor_parallel_mesh
 from upipe_dtensor.runtime.host_store import HostMemory
+from upipe_dtensor.runtime.sharded_compute import gathered_input, reduced_output
 
 
 @dataclass(frozen=True)
@@ -358,7 +354,7 @@ class ContextParallelAttention(ParallelStyle):
         the call): the fused op on this tensor-parallel rank's heads."""
         weights = module.cp_adapter.weights(module)
         mesh = tensor_parallel_mesh(weights)
-        x = local_input(call.x, mesh)
+        x = gathered_input(call.x, mesh)
         axes, layer = module.cp_axes, module.cp_layer
         local_len = x.shape[1]
         seq_len = local_len * axes.cp_degree
@@ -384,7 +380,7 @@ class ContextParallelAttention(ParallelStyle):
             rope = _shard_rope(self, axes, call.rope_at, local_len, call.positions, x.device)
         local = local_weights(weights, layer.head_dim, mesh)
         params = self._params(layer, local, axes, seq_len)
-        return module_output(self._op(x, local, rope, call.document_ids, params), call.x, mesh)
+        return reduced_output(self._op(x, local, rope, call.document_ids, params), call.x, mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         adapter, layer, tp_degree = _check_attention_module(module)

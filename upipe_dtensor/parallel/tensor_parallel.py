@@ -2,6 +2,7 @@
 local tensors; this module turns what a tensor-parallel module holds into those and the op's
 result back.
 
+The gathering of the input and the reduction of the output are ``runtime.sharded_compute``'s.
 The layout is torchtitan's (and Megatron's) for attention on a 1-D ``tp`` mesh: Q/K/V projections
 column-wise (rows of whole heads: ``Shard(0)``; a fused Q/K/V weight's rows are grouped by KV
 head, so a shard holds whole KV heads with their query heads), the output projection row-wise
@@ -24,9 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
-    Partial,
     Placement,
-    Replicate,
     Shard,
     distribute_module,
 )
@@ -34,8 +33,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from upipe_dtensor.parallel.attention_interface import FusedQKV, ModuleWeights
 from upipe_dtensor.parallel.attention_op import AttentionWeights
+from upipe_dtensor.runtime.sharded_compute import REPLICATED, local_weight
 
-_COLUMNWISE, _ROWWISE, _REPLICATED = (Shard(0),), (Shard(1),), (Replicate(),)
+_COLUMNWISE, _ROWWISE = (Shard(0),), (Shard(1),)
 
 
 def _expected(weights: ModuleWeights) -> dict[str, tuple[Tensor, tuple[Placement, ...]]]:
@@ -49,7 +49,7 @@ def _expected(weights: ModuleWeights) -> dict[str, tuple[Tensor, tuple[Placement
     named["wo"] = (weights.wo, _ROWWISE)
     for name in ("q_norm", "k_norm"):
         if getattr(weights, name) is not None:
-            named[name] = (getattr(weights, name), _REPLICATED)
+            named[name] = (getattr(weights, name), REPLICATED)
     return named
 
 
@@ -84,17 +84,6 @@ def tensor_parallel_mesh(weights: ModuleWeights) -> DeviceMesh | None:
     return mesh
 
 
-def local_input(x: Tensor, mesh: DeviceMesh | None) -> Tensor:
-    """The module's input as this rank computes with it: the context-parallel rank's whole shard,
-    gathered over ``tp`` when it arrives sequence-parallel; its gradient, a partial sum over the
-    ranks' heads, is reduced back into the input's layout."""
-    if mesh is None:
-        return x
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, _REPLICATED, run_check=False)
-    return x.redistribute(mesh, _REPLICATED).to_local(grad_placements=(Partial(),))
-
-
 def local_weights(
     weights: ModuleWeights, head_dim: int, mesh: DeviceMesh | None
 ) -> AttentionWeights:
@@ -102,9 +91,7 @@ def local_weights(
     partial sums over ``tp``), a fused Q/K/V weight split into its three."""
 
     def local(tensor: Tensor | None, partial_grad: bool = False) -> Tensor | None:
-        if mesh is None or tensor is None:
-            return tensor
-        return tensor.to_local(grad_placements=(Partial(),) if partial_grad else None)
+        return tensor if tensor is None else local_weight(tensor, partial_grad=partial_grad)
 
     qkv = weights.qkv
     if isinstance(qkv, FusedQKV):
@@ -127,18 +114,6 @@ def split_fused_qkv(weight: Tensor, queries_per_kv: int, head_dim: int) -> list[
     three gradients into it."""
     rows = weight.unflatten(0, (-1, queries_per_kv + 2, head_dim))
     return [w.flatten(0, 2) for w in rows.split([queries_per_kv, 1, 1], dim=1)]
-
-
-def module_output(y: Tensor, given: Tensor, mesh: DeviceMesh | None) -> Tensor:
-    """The module's output from the op's ``y`` (this rank's heads' part of ``wo``'s product):
-    summed over ``tp`` into the layout the input ``given`` arrived in, as a local tensor (this
-    rank's sequence-parallel shard under sequence parallelism, the whole shard otherwise), as
-    torch's row-wise ``wo`` would return it to the block's residual stream."""
-    if mesh is None:
-        return y
-    partial = DTensor.from_local(y, mesh, (Partial(),), run_check=False)
-    placements = given.placements if isinstance(given, DTensor) else _REPLICATED
-    return partial.redistribute(mesh, placements).to_local()
 
 
 class ReplicateParameters(ParallelStyle):
