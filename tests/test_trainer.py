@@ -137,6 +137,15 @@ def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]
     assert reference[-1] < reference[0]
 
 
+def test_tensor_parallel_under_cp2_equals_cp1(tmp_path: Path, reference: list[float]) -> None:
+    """tp 2 x cp 2 (4 processes) with UPipe, the memory stack (tiled MLP and RMSNorm on the
+    tensor-parallel weights, chunked loss on each rank's sequence-parallel tokens, full
+    checkpointing with host offload) and compiled blocks: the losses of cp = 1."""
+    tp = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    extra = [*MEMORY_STACK, "--compile.enable", "true", *tp]
+    _assert_close(_losses(tmp_path, "tp2", 4, extra), reference)
+
+
 def test_the_qwen3_debug_job_trains_on_two_ranks(tmp_path: Path) -> None:
     """train_configs/qwen3_debug.toml, the Llama3 debug job's Qwen3 twin, trains on 2 CPU ranks
     (its numbers against transformers' Qwen3: test_hf_qwen3.py)."""
