@@ -42,7 +42,7 @@ def _expected(weights: ModuleWeights) -> dict[str, tuple[Tensor, tuple[Placement
     """name -> (tensor, the tensor-parallel placement it must have)."""
     qkv = weights.qkv
     named = (
-        {"wqkv": (qkv.weight, _COLUMNWISE)}
+        {"fused qkv": (qkv.weight, _COLUMNWISE)}
         if isinstance(qkv, FusedQKV)
         else {name: (w, _COLUMNWISE) for name, w in zip(("wq", "wk", "wv"), qkv)}
     )
