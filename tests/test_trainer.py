@@ -1,6 +1,6 @@
-"""train.py's loop on CPU: cp=2 (UPipe, Ulysses, compiled) reproduces cp=1 losses; kill-and-resume
-reproduces the uninterrupted run, also when resuming with another cp degree; a token folder of
-the corpus trains and resumes as the text does."""
+"""train.py's loop on CPU: cp=2 (UPipe, Ulysses, compiled) and tp 2 x cp 2 reproduce cp=1 losses;
+kill-and-resume reproduces the uninterrupted run, also when resuming with other cp and tp
+degrees; a token folder of the corpus trains and resumes as the text does."""
 
 from __future__ import annotations
 
@@ -183,10 +183,13 @@ def test_token_folder_trains_and_resumes_as_the_text(
     assert _losses(tmp_path, "second", 1, data, dump=dump) == reference[2:]
 
 
-def test_resume_with_another_cp_degree(tmp_path: Path, reference: list[float]) -> None:
+def test_resume_with_other_cp_and_tp_degrees(tmp_path: Path, reference: list[float]) -> None:
+    """A snapshot of one rank resumes on cp 2 x tp 2: the weights and the optimizer state are
+    resharded onto tensor-parallel shards (DCP), the trajectory goes on."""
     dump = tmp_path / "job"
     _losses(tmp_path, "first", 1, kill_at=3, dump=dump)
-    _assert_close(_losses(tmp_path, "second", 2, dump=dump), reference[2:])
+    tp = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    _assert_close(_losses(tmp_path, "second", 4, tp, dump=dump), reference[2:])
 
 
 def test_resume_with_another_style(tmp_path: Path, reference: list[float]) -> None:
