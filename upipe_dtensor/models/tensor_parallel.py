@@ -12,6 +12,9 @@ sequence parallelism):
   shard's tokens, so per-token activations (and their checkpoints) are divided by tp;
 - the embeddings row-wise (vocabulary-parallel), reduced into the sequence-parallel shard.
 
+The residual stream between the modules stays a ``Shard(1)`` DTensor (as in torchtitan 0.3.0),
+so each module's output lands in the layout its input came in.
+
 The output layer is either column-wise into whole logits (``logits=True``: a model whose own
 forward returns logits, torchtitan's), or replicated (``logits=False``: our long-context forward,
 whose loss each rank computes on its own tokens, ``models.long_context``).
@@ -51,7 +54,7 @@ def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
             "ffn_norm": SequenceParallel(),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         }
     )
     if not is_tiled_mlp(block.feed_forward):

@@ -134,6 +134,6 @@ def attention_plan(
     ``projections`` (Q, K, V, or the fused Q/K/V) column-wise, ``wo`` row-wise into the
     sequence-parallel shard, the per-head ``norms`` replicated (the adapters name the parts)."""
     plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in projections}
-    plan[wo] = RowwiseParallel(output_layouts=Shard(1))
+    plan[wo] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     plan.update({name: ReplicateParameters() for name in norms})
     return plan

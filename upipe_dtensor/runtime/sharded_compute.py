@@ -12,7 +12,8 @@ modules' hooks:
   sequence-parallel input; its gradient (a partial sum over the ranks' heads or MLP columns) is
   reduce-scattered back.
 - ``reduced_output``: a partial sum (this rank's rows of a row-wise weight) summed over ``tp`` into
-  the layout the input arrived in, as the local tensor a row-wise module returns to the block.
+  the layout the input arrived in: a DTensor, as the residual stream between the blocks is one
+  under sequence parallelism (torchtitan's layout), or a plain tensor for a plain input.
 - ``local_shard_op``: a per-token op (a norm) on the local rows of a sequence-parallel input, its
   replicated weight's gradient a partial sum that DTensor (and FSDP2) reduce.
 """
@@ -41,13 +42,14 @@ def gathered_input(x: Tensor, mesh: DeviceMesh | None) -> Tensor:
 
 def reduced_output(y: Tensor, given: Tensor, mesh: DeviceMesh | None) -> Tensor:
     """The module's output from a partial sum ``y``: summed over ``tp`` into the layout the input
-    ``given`` arrived in (a reduce-scatter to the sequence-parallel shard, or an all-reduce), as
-    the local tensor torch's row-wise modules return. ``mesh`` None: ``y``."""
+    ``given`` arrived in (a reduce-scatter to the sequence-parallel shard, or an all-reduce): a
+    DTensor for a DTensor input, a plain tensor for a plain one. ``mesh`` None: ``y``."""
     if mesh is None:
         return y
     partial = DTensor.from_local(y, mesh, (Partial(),), run_check=False)
-    placements = given.placements if isinstance(given, DTensor) else REPLICATED
-    return partial.redistribute(mesh, placements).to_local()
+    if isinstance(given, DTensor):
+        return partial.redistribute(mesh, given.placements)
+    return partial.redistribute(mesh, REPLICATED).to_local()
 
 
 def local_weight(weight: Tensor, *, partial_grad: bool = False) -> Tensor:

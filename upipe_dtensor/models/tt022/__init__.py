@@ -28,7 +28,9 @@ def VocabParallelEmbedding() -> ParallelStyle:  # noqa: N802 (named as 0.3.0's s
     """torchtitan 0.2.2's ``nn.Embedding`` split by vocabulary rows over a ``tp`` mesh, its output
     reduced into the sequence-parallel shard (``models.tensor_parallel``): torch's row-wise
     style, as torchtitan 0.2.2 lays it out."""
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    return RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+    )
 
 
 class Decoder022(LongContextModel):

@@ -171,7 +171,7 @@ class VocabParallelEmbedding(ParallelStyle):
 
         def reduced(part: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
             partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
-            return partial.redistribute(mesh, [Shard(1)]).to_local()
+            return partial.redistribute(mesh, [Shard(1)])
 
         return distribute_module(module, device_mesh, rows, output_fn=reduced)
 
