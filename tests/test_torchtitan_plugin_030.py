@@ -161,6 +161,26 @@ def _with_plugin(rank: int, world_size: int, common: list[str], seed: Path, out:
         out.write_text(json.dumps(runs))
 
 
+def _with_plugin_tp(rank: int, world_size: int, common: list[str], seed: Path, out: Path) -> None:
+    """On 4 ranks, cp 2 x tp 2: UPipe on each tensor-parallel rank's heads under torchtitan's own
+    tensor parallelism (its column-/row-wise weights, sequence-parallel norms, loss parallel),
+    with the tiled MLP and RMSNorm on its sharded weights."""
+    args = [
+        f"--module={PLUGIN}",
+        *common,
+        "--parallelism.context_parallel_degree=2",
+        "--parallelism.tensor_parallel_degree=2",
+        f"--checkpoint.initial_load_path={seed}",
+        "--upipe.tiled_mlp",
+        "--upipe.tiled_rms_norm",
+        "--checkpoint.folder=upipe_tp",
+    ]
+    with torchtitan_on_cpu(rank):
+        losses = _train(args)
+    if rank == 0:
+        out.write_text(json.dumps(losses))
+
+
 def test_styles_in_torchtitans_trainer_equal_it_without_cp(tmp_path: Path) -> None:
     data = tmp_path / "data"  # the corpus as one .jsonl: torchtitan's loader reads a folder
     data.mkdir()
@@ -171,6 +191,8 @@ def test_styles_in_torchtitans_trainer_equal_it_without_cp(tmp_path: Path) -> No
     baseline = json.loads((tmp_path / "baseline.json").read_text())
     run_on_ranks(2, _with_plugin, common, seed, tmp_path / "plugin.json")
     runs = json.loads((tmp_path / "plugin.json").read_text())
+    run_on_ranks(4, _with_plugin_tp, common, seed, tmp_path / "tp.json")
+    runs["upipe, cp 2 x tp 2"] = json.loads((tmp_path / "tp.json").read_text())
 
     refusal = runs.pop("refusal")
     assert "\n" not in refusal

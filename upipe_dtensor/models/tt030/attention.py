@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
@@ -86,16 +87,18 @@ class GQAttentionAdapter(AttentionAdapter):
         if rope is not None:
             return AttentionCall(x, attention_masks, rope_table=rope, positions=positions)
         part = module.rope
+        cache = part.cache  # under torchtitan's own tensor parallelism, replicated over tp
+        cache = cache.to_local() if isinstance(cache, DTensor) else cache
         if isinstance(part, FrequencyRoPE):  # our models' inverse frequencies
             rule, reach = rope_table, None
         else:  # torchtitan's position table
             rule = complex_table_rows if isinstance(part, ComplexRoPE) else cos_sin_table_rows
-            reach = part.cache.shape[0]
+            reach = cache.shape[0]
         return AttentionCall(
             x,
             attention_masks,
             positions=positions,
-            rope_at=functools.partial(rule, part.cache),
+            rope_at=functools.partial(rule, cache),
             rope_positions=reach,
         )
 
