@@ -658,7 +658,8 @@ def _trace(
         cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
         meshes = build_meshes("cpu", dp, cp, ring, parallelism.tensor_parallel_degree)
         tracker = LiveMemoryTracker()
-        counter = StepWorkCounter(DEVICE, host, gpus_per_node)
+        tp_group = meshes.tp.get_group().group_name if meshes.tp.size() > 1 else ""
+        counter = StepWorkCounter(DEVICE, host, gpus_per_node, tp_group)
         rehearsal = GpuRehearsal(DEVICE, host, target) if target == "cuda" else None
         watch = rehearsal.ops() if rehearsal is not None else contextlib.nullcontext()
         timeline = StepTimeline(counter, rehearsal) if reduction is not None else None

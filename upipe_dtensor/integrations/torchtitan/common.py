@@ -197,12 +197,15 @@ def make_cp_style(
 
 
 def refuse_tensor_parallelism(degree: int) -> None:
-    """ValueError for ``degree`` > 1: the styles' fused attention op needs whole projections."""
+    """ValueError for ``degree`` > 1 in torchtitan 0.2.2's trainer, whose tensor-parallel plan
+    wraps the attention's projections for its own forward (0.3.0's plug-in and this project's
+    ``train.py`` take it)."""
     if degree > 1:
         raise ValueError(
-            f"[parallelism] tensor_parallel_degree = {degree}: the CP styles' fused attention "
-            "op computes with unsharded projection weights; set tensor_parallel_degree = 1 and "
-            "give the ranks to data_parallel_shard_degree"
+            f"[parallelism] tensor_parallel_degree = {degree}: the torchtitan 0.2.2 plug-in runs "
+            "the CP styles without tensor parallelism; set tensor_parallel_degree = 1, or train "
+            "with torchtitan 0.3.0's plug-in or this project's train.py "
+            "([parallelism] tensor_parallel_degree)"
         )
 
 
