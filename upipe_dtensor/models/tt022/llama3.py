@@ -66,12 +66,15 @@ FLAVORS: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, rope_theta=500000
     ),
-    "8B": Llama3Args(
-        **{
-            f.name: getattr(llama3_args["8B"], f.name)
-            for f in dataclasses.fields(TransformerModelArgs)
-        }
-    ),
+    **{
+        name: Llama3Args(
+            **{
+                f.name: getattr(llama3_args[name], f.name)
+                for f in dataclasses.fields(TransformerModelArgs)
+            }
+        )
+        for name in ("8B", "70B")
+    },
     # The UPipe paper's "32B": 64 layers, dim 5120, 64 query / 8 KV heads of 128, FFN 25600.
     "32B": Llama3Args(
         dim=5120,
