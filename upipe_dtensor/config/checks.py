@@ -344,15 +344,17 @@ def check_job(config: JobConfig, world_size: int) -> int:
     cp_key, dp_key = "parallelism.context_parallel_degree", "parallelism.data_parallel_shard_degree"
     tp_key = "parallelism.tensor_parallel_degree"
     model_parallel = cp * tp
-    named = f"context_parallel_degree = {cp}" + (
+    tp_keys = (tp_key,) if tp > 1 else ()
+    named = f"context_parallel_degree {cp}" + (f" x tensor_parallel_degree {tp}" if tp > 1 else "")
+    degrees = f"context_parallel_degree = {cp}" + (
         f" x tensor_parallel_degree = {tp}" if tp > 1 else ""
     )
     if world_size % model_parallel:
         fail(
-            f"[parallelism] {named} does not divide the {world_size} launched processes; launch a "
-            f"multiple of {model_parallel} or change the degrees",
+            f"[parallelism] {degrees} does not divide the {world_size} launched processes; launch "
+            f"a multiple of {model_parallel} or change the degree" + ("s" if tp > 1 else ""),
             cp_key,
-            *((tp_key,) if tp > 1 else ()),
+            *tp_keys,
         )
     dp = parallelism.data_parallel_shard_degree
     if dp == -1:
@@ -364,17 +366,17 @@ def check_job(config: JobConfig, world_size: int) -> int:
             f"{world_size // model_parallel} (or -1)",
             dp_key,
             cp_key,
-            *((tp_key,) if tp > 1 else ()),
+            *tp_keys,
         )
     if training.seq_len % model_parallel:
         fail(
-            f"[training] seq_len = {training.seq_len} is not divisible by {named}"
+            f"[training] seq_len = {training.seq_len} is not divisible by {degrees}"
             + (" (each CP shard is split over the tensor-parallel ranks)" if tp > 1 else "")
             + f"; use a multiple of {model_parallel}, e.g. "
             f"{training.seq_len // model_parallel * model_parallel or model_parallel}",
             "training.seq_len",
             cp_key,
-            *((tp_key,) if tp > 1 else ()),
+            *tp_keys,
         )
     model_keys = ("model.name", "model.flavor", "model.hf_assets_path", "training.seq_len")
     try:
