@@ -286,7 +286,7 @@ class ContextParallelAttention(ParallelStyle):
             ),
             scale=layer.scale,
             rope_pairs=layer.rope_pairs,
-            qk_transform=layer.qk_transform if weights.q_norm is not None else "",
+            qk_transform=layer.qk_transform,
             qk_eps=layer.qk_eps,
             keep="" if self.kept is None or not torch.is_grad_enabled() else self.kept.name,
         )
