@@ -156,7 +156,7 @@ def build_attention(cfg: Config) -> tuple[nn.Module, tuple, dict[str, Any]]:
     init_sharded_weights(model, seed=0, device=torch.device("cpu"))
     attention = model.layers["0"].attention
     cast_parameters(attention, DTYPES[cfg.dtype])  # the RoPE frequencies stay float64
-    call_args, call_kwargs = model.block_arguments(model.rope_frequencies(), None, None)
+    call_args, call_kwargs = model.block_arguments(None, None, None)
     return attention, call_args, call_kwargs
 
 

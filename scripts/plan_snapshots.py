@@ -4,6 +4,7 @@ recipe to the byte as before.
 
     python scripts/plan_snapshots.py --write /tmp/plans-before   # before the change
     python scripts/plan_snapshots.py --compare /tmp/plans-before # after it: exit 1 on a difference
+    python scripts/plan_snapshots.py --compare /tmp/plans-before --only 'llama3_8b_*'  # a few
 
 Each recipe is planned as ``python -m upipe_dtensor.plan --config RECIPE --json`` plans it (the
 same function, in this process): on h100-sxm with 80 GiB, or h200 with 140 GiB where the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import io
 import re
 import shutil
@@ -31,9 +33,11 @@ from harness import llama_31_8b_folder  # noqa: E402
 from upipe_dtensor.planning.cli import main as plan_main  # noqa: E402
 
 
-def recipes() -> list[Path]:
-    """Every shipped recipe (recipes/, its baselines/ and multinode/)."""
-    return sorted((REPO / "recipes").rglob("*.toml"))
+def recipes(only: str = "*") -> list[Path]:
+    """Every shipped recipe (recipes/, its baselines/ and multinode/) whose path under recipes/
+    matches the glob ``only``."""
+    found = sorted((REPO / "recipes").rglob("*.toml"))
+    return [r for r in found if fnmatch.fnmatch(str(r.relative_to(REPO / "recipes")), only)]
 
 
 def plan_json(recipe: Path, stand_in: str) -> str:
@@ -68,13 +72,16 @@ def main() -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", type=Path, metavar="DIR", help="write each recipe's plan here")
     mode.add_argument("--compare", type=Path, metavar="DIR", help="compare with plans written")
+    parser.add_argument(
+        "--only", default="*", metavar="GLOB", help="the recipes whose path under recipes/ matches"
+    )
     args = parser.parse_args()
     differ = []
     # A folder of this run's own (``_anywhere`` leaves its path out of what is compared).
     folder = Path(tempfile.mkdtemp(prefix="upipe-plan-snapshots-")) / "Llama-3.1-8B"
     stand_in = llama_31_8b_folder(folder)
     try:
-        for recipe in recipes():
+        for recipe in recipes(args.only):
             name = str(recipe.relative_to(REPO / "recipes")).replace("/", "__") + ".json"
             text = _anywhere(plan_json(recipe, stand_in))
             if args.write:
@@ -90,7 +97,7 @@ def main() -> int:
     finally:
         shutil.rmtree(folder.parent, ignore_errors=True)
     if differ:
-        print(f"{len(differ)} of {len(recipes())} plans differ", file=sys.stderr)
+        print(f"{len(differ)} of {len(recipes(args.only))} plans differ", file=sys.stderr)
         return 1
     return 0
 

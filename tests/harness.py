@@ -145,9 +145,10 @@ def llama3_attention(
     """The attention layer of a one-block Llama3 of this project's ``llama3`` family (its model
     class on the installed generation: separate ``wq``/``wk``/``wv``, RoPE kept as the float64
     frequencies) with torchtitan's initial weights for ``seed``, and the arguments its block
-    passes it after ``x`` (``LongContextModel.block_arguments``: the frequencies, no mask, no
-    positions): ``layer(x, *args, **kwargs)`` on either generation, once a CP style is applied
-    (the frequencies are no table torchtitan's own attention could read)."""
+    passes it after ``x`` (``LongContextModel.block_arguments`` without a shard's RoPE table: each
+    layer derives it from the frequencies; no mask, no positions): ``layer(x, *args, **kwargs)``
+    on either generation, once a CP style is applied (the frequencies are no table torchtitan's
+    own attention could read)."""
     family = get_family("llama3")
     args = family.args_class(
         dim=n_heads * head_dim,
@@ -159,7 +160,7 @@ def llama3_attention(
     )
     model = family.model_class(args)
     init_sharded_weights(model, seed=seed, device=torch.device("cpu"))
-    call_args, call_kwargs = model.block_arguments(model.rope_frequencies(), None, None)
+    call_args, call_kwargs = model.block_arguments(None, None, None)
     return model.layers["0"].attention, call_args, call_kwargs
 
 
@@ -186,6 +187,21 @@ def cp_mesh(case: dict, cp: int):
             "cpu", (case["ring"], cp // case["ring"]), mesh_dim_names=("cp_ring", "cp_heads")
         )
     return init_device_mesh("cpu", (cp,))
+
+
+def case_meshes(case: dict, cp: int):
+    """(the cp mesh, the tp mesh or None, this rank's cp group, its cp rank) of a case on
+    cp x ``case["tp"]`` ranks, tp innermost as torchtitan lays them out. Without "tp" the cp mesh
+    is the whole world (``cp_mesh``; group None: the world's)."""
+    tp = case.get("tp", 1)
+    if tp == 1:
+        return cp_mesh(case, cp), None, None, dist.get_rank()
+    ring = case.get("ring")
+    cp_shape, cp_names = ((ring, cp // ring), ("cp_ring", "cp_heads")) if ring else ((cp,), ("cp",))
+    world = init_device_mesh("cpu", (*cp_shape, tp), mesh_dim_names=(*cp_names, "tp"))
+    mesh = world[cp_names]
+    flat = mesh._flatten("cp_flat") if ring else mesh
+    return mesh, world["tp"], flat.get_group(), flat.get_local_rank()
 
 
 _REPO = Path(__file__).resolve().parents[1]

@@ -102,6 +102,30 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
             "ring over all C ranks: set ring_degree = 1",
         ),
         (
+            [
+                "--parallelism.tensor_parallel_degree",
+                "3",
+                "--parallelism.context_parallel_degree",
+                "1",
+                "--training.seq_len",
+                "48",
+            ],
+            3,
+            r"\[parallelism\] cp_style 'upipe'.*: tensor_parallel_degree = 3 must "
+            r"divide the query heads \(8\) and the KV heads \(4\).* dividing 4$",
+        ),
+        (
+            ["--parallelism.tensor_parallel_degree", "2", "--parallelism.heads_per_stage", "8"],
+            4,
+            r"heads_per_stage.* \(the 4 heads of each of 2 tensor-parallel ranks\)",
+        ),
+        (
+            ["--parallelism.tensor_parallel_degree", "2"],
+            2,
+            r"context_parallel_degree = 2 x tensor_parallel_degree = 2 does not divide the 2 "
+            r"launched processes",
+        ),
+        (
             ["--parallelism.ring_degree", "3"],
             2,
             r"ring_degree = 3 must divide context_parallel_degree = 2; use one of \[1, 2\]",
@@ -168,7 +192,7 @@ def test_bad_files_name_file_key_and_reason(tmp_path: Path, text: str, message: 
             2,
             r"leaves none of the model's 4 blocks keeping its attention; use at most 3",
         ),
-        (["--model.flavor", "70B"], 2, r"flavor = '70B' is unknown"),
+        (["--model.flavor", "405B"], 2, r"flavor = '405B' is unknown"),
         (["--training.dataset_path", "nowhere"], 2, r"dataset_path = 'nowhere' does not exist"),
         (["--training.steps", "0"], 2, r"\[training\] steps = 0 must be >= 1"),
         (["--unknown"], 2, "expected --section.key value"),

@@ -26,8 +26,8 @@ import pytest
 import torch
 from harness import (
     VOCAB,
+    case_meshes,
     cast_parameters,
-    cp_mesh,
     gather_sequence,
     make_style,
     rel_err,
@@ -40,6 +40,7 @@ from harness import (
 from torch.distributed.tensor.parallel import parallelize_module
 
 from upipe_dtensor.data.documents import document_positions
+from upipe_dtensor.models.tensor_parallel import apply_tensor_parallel
 from upipe_dtensor.parallel.head_schedule import valid_heads_per_stage
 from upipe_dtensor.parallel.staged_attention import AttentionProjections
 
@@ -164,7 +165,11 @@ def _reference_logits(model, tokens, positions, doc_ids):
     return torch.cat(rows)
 
 
-def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype) -> dict:
+def _run_case(rank: int, world: int, case: dict, dtype: torch.dtype) -> dict:
+    """One case on the ``world`` ranks, cp x its "tp" (tensor parallelism under the style):
+    relative errors of the logits and every gradient against the unsharded model, with their
+    tolerances."""
+    cp = world // case.get("tp", 1)
     seq_len = case["seq_len"]
     build = tiny_qwen3 if case.get("family") == "qwen3" else tiny_llama
     reference = build(case["n_heads"], case["n_kv"], seq_len)
@@ -195,13 +200,20 @@ def _run_case(rank: int, cp: int, case: dict, dtype: torch.dtype) -> dict:
         reference, tokens, ref_positions, probe, doc_ids, reference_run=True
     )
     style = make_style(case)
-    parallelize_module(model, cp_mesh(case, cp), {"layers.*.attention": style})
-    local_pos = None if positions is None else shard(positions, rank, cp, style)
+    mesh, tp_mesh, group, cp_rank = case_meshes(case, cp)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, logits=True)
+    parallelize_module(model, mesh, {"layers.*.attention": style})
+    local_pos = None if positions is None else shard(positions, cp_rank, cp, style)
     local_logits = loss_and_logits(
-        model, shard(tokens, rank, cp, style), local_pos, shard(probe, rank, cp, style), doc_ids
+        model,
+        shard(tokens, cp_rank, cp, style),
+        local_pos,
+        shard(probe, cp_rank, cp, style),
+        doc_ids,
     )
-    logits = gather_sequence(local_logits, style)
-    grads = summed_grads(model)
+    logits = gather_sequence(local_logits, style, group)
+    grads = summed_grads(model, group)
     errors = {"logits": rel_err(logits, ref_logits)}
     errors.update({n: rel_err(grads[n], p.grad) for n, p in reference.named_parameters()})
     if dtype == torch.float32:
@@ -266,6 +278,30 @@ def test_eight_ranks_as_two_by_four() -> None:
         dict(style="ulysses2d", ring=2, n_heads=16, n_kv=8, u=16, seq_len=32),
     ]
     run_on_ranks(8, _grid, torch.float32, grid)
+
+
+def tensor_parallel_cases() -> list[dict]:
+    """Every style on cp 2 x tp 2: Llama3 and Qwen3 (QK-norm), GQA (and fewer KV heads per
+    tensor-parallel rank than cp ranks: replicated), causal and packed documents."""
+    grid = [
+        dict(style="upipe", n_heads=8, n_kv=4, u=2),
+        dict(style="upipe", n_heads=8, n_kv=2, u=2, family="qwen3"),  # 1 KV head per tp rank
+        dict(style="ulysses", n_heads=8, n_kv=4, u=8, docs="document"),
+        dict(style="ring", n_heads=8, n_kv=2, docs="global"),
+        dict(style="fpdt", n_heads=8, n_kv=4, chunks=2, family="qwen3"),
+        dict(style="fpdt", n_heads=8, n_kv=4, chunks=2, u=2, docs="document"),  # UPipe x FPDT
+        dict(style="upipe2d", ring=2, n_heads=8, n_kv=4, u=1, family="qwen3"),
+        dict(style="upipe", n_heads=8, n_kv=4, u=2, family="qwen3", docs="global"),
+    ]
+    return [case | dict(tp=2, seq_len=16) for case in grid]
+
+
+def test_tensor_parallel_under_every_style() -> None:
+    """cp 2 x tp 2 (4 processes, tp innermost): torchtitan's tensor-parallel layout (column-wise
+    Q/K/V, row-wise wo and MLP, sequence-parallel norms) with each style over cp on every tensor-
+    parallel rank's heads equals the unsharded model: logits and every gradient (the tp shards
+    gathered, the replicated weights' partial sums reduced)."""
+    run_on_ranks(4, _grid, torch.float32, tensor_parallel_cases())
 
 
 def test_grid_covers_the_promised_cases() -> None:

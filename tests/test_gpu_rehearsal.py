@@ -202,13 +202,13 @@ def test_rope_reaches_attention_in_float32_under_gpu_mixed_precision(monkeypatch
     float64 RoPE frequencies arrived rounded to bf16 (angles off by radians past a few hundred
     positions). The shard's table, computed once per forward in float64, arrives as it was."""
     seen = []
-    forward = style_module._cp_attention_forward
+    forward = style_module.ContextParallelAttention._forward
 
-    def spy(module, style, axes, x, freqs_cis, *args, **kwargs):
-        seen.append(freqs_cis.dtype)
-        return forward(module, style, axes, x, freqs_cis, *args, **kwargs)
+    def spy(self, module, call):
+        seen.append(None if call.rope_table is None else call.rope_table.dtype)
+        return forward(self, module, call)
 
-    monkeypatch.setattr(style_module, "_cp_attention_forward", spy)
+    monkeypatch.setattr(style_module.ContextParallelAttention, "_forward", spy)
     _plan(monkeypatch, [], layers=1)
     assert seen and set(seen) == {torch.float32}, seen
 

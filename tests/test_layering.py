@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -362,3 +364,51 @@ def test_console_scripts_are_the_commands() -> None:
         assert list(signature.parameters) == ["argv"], (script, signature)
         assert signature.parameters["argv"].default is None, (script, signature)
         assert signature.return_annotation in (int, "int"), (script, signature)
+
+
+TORCHTITAN_LAYOUT = re.compile(
+    r"\b(qkv_linear|wqkv|heads_per_kv|freqs_cis|rope_cache|inner_attention|attn_type|"
+    r"TORCHTITAN_VERSION|GENERATION|tt022|tt030)\b"
+)
+"""Names of torchtitan's attention layouts and of its generations, which only the adapters
+(``models``) may read."""
+
+
+def test_the_styles_know_no_model_layout_and_import_without_torchtitan() -> None:
+    """``parallel/`` meets attention modules only through their adapters
+    (``parallel.attention_interface``): no module there reads an attribute of a torchtitan
+    layout or asks which torchtitan runs (code, not docstrings, is searched), imports torchtitan,
+    or fails to import when torchtitan cannot be imported (a subprocess blocks it)."""
+    found = []
+    for path in sorted((PACKAGE / "parallel").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = [owner.body[0].value for owner in _docstring_owners(tree)]
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node not in docstrings:
+                    names = [node.value]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            for name in names:
+                if TORCHTITAN_LAYOUT.search(name) or name.split(".")[0] == "torchtitan":
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name!r}")
+    assert not found, "\n".join(found)
+    blocked = "import sys; sys.modules['torchtitan'] = None; import upipe_dtensor.parallel"
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _docstring_owners(tree: ast.Module) -> list[ast.AST]:
+    """The module, classes and functions whose first statement may be a docstring."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    ]

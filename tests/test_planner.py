@@ -87,6 +87,24 @@ JOBS = {
 }
 
 
+TP_JOBS = {  # 4 ranks as cp 2 x tp 2: the tensor-parallel step, with and without the stack
+    "upipe, tp 2": [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
+    "upipe+tiling+offload, tp 2": [
+        *JOBS["upipe+tiling"],
+        *JOBS["upipe+offload"],
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ],
+}
+
+
 def _config(tmp: str, cp: int, extra: list[str]):
     return parse_args(
         [
@@ -251,11 +269,13 @@ def test_plans_sharing_compiled_graphs_are_the_plans_compiled_afresh() -> None:
 
 @pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_planner_predicts_real_peak_within_5_percent(tmp_path: Path, cp: int) -> None:
+    """Every style and stack on ``cp`` ranks (on 4: also as cp 2 x tp 2)."""
+    jobs = JOBS | (TP_JOBS if cp == 4 else {})
     out = tmp_path / "real.json"
-    run_on_ranks(cp, _real_peaks, str(tmp_path), JOBS, str(out))
+    run_on_ranks(cp, _real_peaks, str(tmp_path), jobs, str(out))
     real = json.loads(out.read_text())
     errors = {}
-    for name, extra in JOBS.items():
+    for name, extra in jobs.items():
         planned = plan_job(_config(str(tmp_path), cp, extra), target="cpu").device_peak_bytes
         errors[name] = (planned, real[name], abs(planned - real[name]) / real[name])
     print(

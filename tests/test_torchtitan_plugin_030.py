@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import json
 import shutil
-import types
 from pathlib import Path
 from unittest import mock
 
@@ -161,6 +160,26 @@ def _with_plugin(rank: int, world_size: int, common: list[str], seed: Path, out:
         out.write_text(json.dumps(runs))
 
 
+def _with_plugin_tp(rank: int, world_size: int, common: list[str], seed: Path, out: Path) -> None:
+    """On 4 ranks, cp 2 x tp 2: UPipe on each tensor-parallel rank's heads under torchtitan's own
+    tensor parallelism (its column-/row-wise weights, sequence-parallel norms, loss parallel),
+    with the tiled MLP and RMSNorm on its sharded weights."""
+    args = [
+        f"--module={PLUGIN}",
+        *common,
+        "--parallelism.context_parallel_degree=2",
+        "--parallelism.tensor_parallel_degree=2",
+        f"--checkpoint.initial_load_path={seed}",
+        "--upipe.tiled_mlp",
+        "--upipe.tiled_rms_norm",
+        "--checkpoint.folder=upipe_tp",
+    ]
+    with torchtitan_on_cpu(rank):
+        losses = _train(args)
+    if rank == 0:
+        out.write_text(json.dumps(losses))
+
+
 def test_styles_in_torchtitans_trainer_equal_it_without_cp(tmp_path: Path) -> None:
     data = tmp_path / "data"  # the corpus as one .jsonl: torchtitan's loader reads a folder
     data.mkdir()
@@ -171,6 +190,8 @@ def test_styles_in_torchtitans_trainer_equal_it_without_cp(tmp_path: Path) -> No
     baseline = json.loads((tmp_path / "baseline.json").read_text())
     run_on_ranks(2, _with_plugin, common, seed, tmp_path / "plugin.json")
     runs = json.loads((tmp_path / "plugin.json").read_text())
+    run_on_ranks(4, _with_plugin_tp, common, seed, tmp_path / "tp.json")
+    runs["upipe, cp 2 x tp 2"] = json.loads((tmp_path / "tp.json").read_text())
 
     refusal = runs.pop("refusal")
     assert "\n" not in refusal
@@ -253,10 +274,12 @@ def test_the_config_functions_are_torchtitans_with_the_upipe_section() -> None:
     assert type(style).__name__ == "UPipeAttention" and style.options.heads_per_stage == 16
 
 
-def test_other_spmd_backends_and_tensor_parallelism_are_refused() -> None:
+def test_other_spmd_backends_are_refused_and_tensor_parallel_heads_checked() -> None:
+    """The spmd_types backend is refused with the fix; tensor parallelism is taken, its degree
+    checked against the heads before any work (one line naming the key)."""
     from torchtitan.config import ConfigManager
 
-    from upipe_dtensor.integrations.torchtitan import UPipeTrainer, parallelize_with_style
+    from upipe_dtensor.integrations.torchtitan import UPipeTrainer, make_cp_style
 
     config = ConfigManager().parse_args(
         [
@@ -268,7 +291,9 @@ def test_other_spmd_backends_and_tensor_parallelism_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="spmd_backend = 'spmd_types' shards .* partial_dtensor"):
         UPipeTrainer(config)
-    dims = types.SimpleNamespace(tp_enabled=True, tp=2)
-    with pytest.raises(ValueError, match="tensor_parallel_degree = 2: .* set tensor_parallel_deg"):
-        parallelize_with_style(None, parallel_dims=dims, training=None, parallelism=None,
-                               settings=None, then=None)  # fmt: skip
+    config = ConfigManager().parse_args([f"--module={PLUGIN}", "--config=llama3_8b"])
+    attention = config.model_spec.model.layers[0].attention  # 32 query heads, 8 KV heads
+    with pytest.raises(ValueError, match=r"^\[upipe\] tensor_parallel_degree = 16 must divide the "
+                       r"query heads \(32\) and the KV heads \(8\)[^\n]*dividing 8$"):  # fmt: skip
+        make_cp_style(attention, config.upipe, 2, config.training.seq_len, 16)
+    make_cp_style(attention, config.upipe, 2, config.training.seq_len, 8)  # 1 KV head per rank

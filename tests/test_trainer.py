@@ -1,6 +1,6 @@
-"""train.py's loop on CPU: cp=2 (UPipe, Ulysses, compiled) reproduces cp=1 losses; kill-and-resume
-reproduces the uninterrupted run, also when resuming with another cp degree; a token folder of
-the corpus trains and resumes as the text does."""
+"""train.py's loop on CPU: cp=2 (UPipe, Ulysses, compiled) and tp 2 x cp 2 reproduce cp=1 losses;
+kill-and-resume reproduces the uninterrupted run, also when resuming with other cp and tp
+degrees; a token folder of the corpus trains and resumes as the text does."""
 
 from __future__ import annotations
 
@@ -137,6 +137,15 @@ def test_cp2_equals_cp1(tmp_path: Path, reference: list[float], extra: list[str]
     assert reference[-1] < reference[0]
 
 
+def test_tensor_parallel_under_cp2_equals_cp1(tmp_path: Path, reference: list[float]) -> None:
+    """tp 2 x cp 2 (4 processes) with UPipe, the memory stack (tiled MLP and RMSNorm on the
+    tensor-parallel weights, chunked loss on each rank's sequence-parallel tokens, full
+    checkpointing with host offload) and compiled blocks: the losses of cp = 1."""
+    tp = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    extra = [*MEMORY_STACK, "--compile.enable", "true", *tp]
+    _assert_close(_losses(tmp_path, "tp2", 4, extra), reference)
+
+
 def test_the_qwen3_debug_job_trains_on_two_ranks(tmp_path: Path) -> None:
     """train_configs/qwen3_debug.toml, the Llama3 debug job's Qwen3 twin, trains on 2 CPU ranks
     (its numbers against transformers' Qwen3: test_hf_qwen3.py)."""
@@ -174,10 +183,13 @@ def test_token_folder_trains_and_resumes_as_the_text(
     assert _losses(tmp_path, "second", 1, data, dump=dump) == reference[2:]
 
 
-def test_resume_with_another_cp_degree(tmp_path: Path, reference: list[float]) -> None:
+def test_resume_with_other_cp_and_tp_degrees(tmp_path: Path, reference: list[float]) -> None:
+    """A snapshot of one rank resumes on cp 2 x tp 2: the weights and the optimizer state are
+    resharded onto tensor-parallel shards (DCP), the trajectory goes on."""
     dump = tmp_path / "job"
     _losses(tmp_path, "first", 1, kill_at=3, dump=dump)
-    _assert_close(_losses(tmp_path, "second", 2, dump=dump), reference[2:])
+    tp = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    _assert_close(_losses(tmp_path, "second", 4, tp, dump=dump), reference[2:])
 
 
 def test_resume_with_another_style(tmp_path: Path, reference: list[float]) -> None:

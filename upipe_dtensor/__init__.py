@@ -8,10 +8,16 @@ training job in ``train`` (setup, build, parallelize, trainer), ``planning``, th
 verification tools in ``verify`` (gpu_check, stand_in, kernel_rates, evidence) and the user
 commands in ``commands`` (evaluate, retrieval, convert; their ``python -m`` names are the modules
 here), and ``integrations`` (torchtitan's own trainer running the styles). Every module file is
-listed in docs/design.md, "Layout".
+listed in docs/design.md, "Layout". Without torchtitan installed the styles still import (for a
+model whose attention has an adapter registered, ``parallel.attention_interface``); the model
+families, the trainer and the planner need it.
 """
 
-import upipe_dtensor.models  # noqa: F401  (registers the model families' attention modules)
+try:  # the model families (torchtitan's Llama3 and Qwen3) register their attention adapters
+    import upipe_dtensor.models  # noqa: F401
+except ModuleNotFoundError as err:  # the styles apply to any model with an adapter
+    if (err.name or "").split(".")[0] != "torchtitan":
+        raise
 from upipe_dtensor.parallel import (
     ContextParallelAttention,
     FPDTAttention,

@@ -145,8 +145,8 @@ def check_geometry(path: Path, job: dict[str, Any]) -> None:
             f"snapshot {path} was saved with data-parallel degree {saved['dp']} (cp {saved['cp']} "
             f"on {saved['world_size']} processes), this job has data-parallel degree {job['dp']} "
             f"(cp {job['cp']} on {world}): the data loader's position cannot be re-split exactly. "
-            f"Resume with data-parallel degree {saved['dp']} ({same_dp}any cp degree works), or "
-            "use another [job] dump_folder"
+            f"Resume with data-parallel degree {saved['dp']} ({same_dp}any cp or tp degree "
+            "works), or use another [job] dump_folder"
         )
 
 

@@ -52,6 +52,7 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("training", "gradient_accumulation_steps", 1),
         ("parallelism", "context_parallel_degree", 1),
         ("parallelism", "ring_degree", 1),
+        ("parallelism", "tensor_parallel_degree", 1),
         ("lr_scheduler", "warmup_steps", 0),
         ("checkpoint", "interval", 1),
         ("checkpoint", "keep_latest_k", 0),
@@ -101,6 +102,7 @@ _GEOMETRY_KEYS = {
     "cp_degree": ("parallelism.context_parallel_degree",),
     "ring_degree": ("parallelism.ring_degree",),
     "seq_len": ("training.seq_len",),
+    "tensor_parallel_degree": ("parallelism.tensor_parallel_degree",),
 }
 """The keys that set each number a style's options are checked against (``Geometry``)."""
 
@@ -133,6 +135,7 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
         cp_degree=cp,
         ring_degree=ring,
         seq_len=config.training.seq_len,
+        tp_degree=parallelism.tensor_parallel_degree,
     )
     try:
         options.check(geometry)
@@ -337,31 +340,43 @@ def check_job(config: JobConfig, world_size: int) -> int:
     _check_finite(config, fail)
     _check_positive(config, fail)
     parallelism, training = config.parallelism, config.training
-    cp = parallelism.context_parallel_degree
+    cp, tp = parallelism.context_parallel_degree, parallelism.tensor_parallel_degree
     cp_key, dp_key = "parallelism.context_parallel_degree", "parallelism.data_parallel_shard_degree"
-    if world_size % cp:
+    tp_key = "parallelism.tensor_parallel_degree"
+    model_parallel = cp * tp
+    tp_keys = (tp_key,) if tp > 1 else ()
+    named = f"context_parallel_degree {cp}" + (f" x tensor_parallel_degree {tp}" if tp > 1 else "")
+    degrees = f"context_parallel_degree = {cp}" + (
+        f" x tensor_parallel_degree = {tp}" if tp > 1 else ""
+    )
+    if world_size % model_parallel:
         fail(
-            f"[parallelism] context_parallel_degree = {cp} does not divide the {world_size} "
-            f"launched processes; launch a multiple of {cp} or change the degree",
+            f"[parallelism] {degrees} does not divide the {world_size} launched processes; launch "
+            f"a multiple of {model_parallel} or change the degree" + ("s" if tp > 1 else ""),
             cp_key,
+            *tp_keys,
         )
     dp = parallelism.data_parallel_shard_degree
     if dp == -1:
-        dp = world_size // cp
-    if dp * cp != world_size:
+        dp = world_size // model_parallel
+    if dp * model_parallel != world_size:
         fail(
-            f"[parallelism] data_parallel_shard_degree {dp} x context_parallel_degree {cp} = "
-            f"{dp * cp} != {world_size} launched processes; set data_parallel_shard_degree = "
-            f"{world_size // cp} (or -1)",
+            f"[parallelism] data_parallel_shard_degree {dp} x {named} = {dp * model_parallel} != "
+            f"{world_size} launched processes; set data_parallel_shard_degree = "
+            f"{world_size // model_parallel} (or -1)",
             dp_key,
             cp_key,
+            *tp_keys,
         )
-    if training.seq_len % cp:
+    if training.seq_len % model_parallel:
         fail(
-            f"[training] seq_len = {training.seq_len} is not divisible by context_parallel_degree "
-            f"= {cp}; use a multiple of {cp}, e.g. {training.seq_len // cp * cp or cp}",
+            f"[training] seq_len = {training.seq_len} is not divisible by {degrees}"
+            + (" (each CP shard is split over the tensor-parallel ranks)" if tp > 1 else "")
+            + f"; use a multiple of {model_parallel}, e.g. "
+            f"{training.seq_len // model_parallel * model_parallel or model_parallel}",
             "training.seq_len",
             cp_key,
+            *tp_keys,
         )
     model_keys = ("model.name", "model.flavor", "model.hf_assets_path", "training.seq_len")
     try:

@@ -189,6 +189,11 @@ class Parallelism:
     """R > 1: 2D context parallelism for a style with a ring axis (upipe, ulysses), a ring of R
     ranks (across nodes) times a head axis of C / R ranks (inside a node); R divides
     context_parallel_degree."""
+    tensor_parallel_degree: int = 1
+    """T: tensor parallelism (torchtitan's layout): each block's heads and MLP columns split over
+    T ranks (the innermost mesh dimension: one node's NVLink), the activations between blocks
+    sequence-parallel (each of the T ranks holds 1/T of its CP shard's tokens); the CP style runs
+    over cp on each rank's heads. T divides the query and the KV heads, and seq_len / C."""
     attention_backend: Literal["auto", "fa3", "fa4", "cudnn", "flash", "sdpa"] = "auto"
     """Local attention kernel: 'fa3' FlashAttention-3 (Hopper) and 'fa4' FlashAttention-4 (Hopper,
     Blackwell) through torch's flash-attention registry, 'cudnn' aten's cuDNN attention (no
@@ -204,9 +209,13 @@ class Parallelism:
 
     @property
     def world_size(self) -> int:
-        """The processes the job asks for: context_parallel_degree x data_parallel_shard_degree
-        (x 1 when the dp degree is -1, 'every rank launched')."""
-        return self.context_parallel_degree * max(self.data_parallel_shard_degree, 1)
+        """The processes the job asks for: context_parallel_degree x tensor_parallel_degree x
+        data_parallel_shard_degree (x 1 when the dp degree is -1, 'every rank launched')."""
+        return (
+            self.context_parallel_degree
+            * self.tensor_parallel_degree
+            * max(self.data_parallel_shard_degree, 1)
+        )
 
     @property
     def style(self) -> registry.StyleSpec:

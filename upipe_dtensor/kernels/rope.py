@@ -7,9 +7,9 @@ same angle, so one real cos/sin table serves both. Written on real tables so the
 rotate one stage's heads in float32 and undo the rotation on gradients (the VJP of a rotation by
 theta is a rotation by -theta), in place and a tile of tokens at a time.
 
-Our ``Llama3`` keeps no position table: its ``freqs_cis`` buffer holds the head_dim/2 inverse
-frequencies in float64 (:func:`rope_frequencies`), and :func:`rope_table` computes the angles of
-the local shard's positions only. torchtitan's table is (max_seq_len, head_dim/2) complex64,
+Our models keep no position table: their RoPE holds the head_dim/2 inverse frequencies in float64
+(:func:`rope_frequencies`), and :func:`rope_table` computes the angles of the local shard's
+positions only. torchtitan's table is (max_seq_len, head_dim/2) complex64,
 2.5 GiB per GPU at 5M tokens for head_dim 128, and its angles are float32 products: at position
 5M a float32 angle is off by up to 0.25 rad. Here the product and cos/sin run in float64 and
 only the result is cast to float32.
@@ -65,30 +65,37 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RoPEScaling) -> Tenso
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def rope_table(freqs_cis: Tensor, positions: Tensor) -> Tensor:
+def rope_table(frequencies: Tensor, positions: Tensor) -> Tensor:
     """RoPE angles at ``positions`` as a real (P..., head_dim/2, 2) float32 table of (cos, sin).
 
-    ``positions`` is (S,) or (B, S) global token indices (or per-document positions). ``freqs_cis``
-    is either our float64 inverse frequencies (:func:`rope_frequencies`): the angles are computed
-    for these positions only, in float64, a tile at a time; or one of torchtitan's position
-    tables, of which only these rows are read: Llama3's complex (max_seq_len, head_dim/2), or
-    Qwen3's real ``rope_cache`` (max_seq_len, 2 * head_dim) = [cos, cos, sin, sin] of the angles.
+    ``positions`` is (S,) or (B, S) global token indices (or per-document positions);
+    ``frequencies`` our float64 inverse frequencies (:func:`rope_frequencies`). The angles are
+    computed for these positions only, in float64, a tile at a time.
     """
-    if freqs_cis.is_complex():
-        return torch.view_as_real(freqs_cis[positions]).float()
-    if freqs_cis.dim() == 2:  # Qwen3's rope_cache: each half repeats the head_dim/2 angles
-        half = freqs_cis.shape[1] // 4
-        rows = freqs_cis[positions]
-        return torch.stack((rows[..., :half], rows[..., 2 * half : 3 * half]), dim=-1).float()
     table = torch.empty(
-        *positions.shape, freqs_cis.shape[0], 2, dtype=torch.float32, device=positions.device
+        *positions.shape, frequencies.shape[0], 2, dtype=torch.float32, device=positions.device
     )
     for start in tile_starts(table, positions.shape[-1], TILE_TOKENS):
         tile = slice(start, start + TILE_TOKENS)
-        angles = positions[..., tile, None].to(torch.float64) * freqs_cis
+        angles = positions[..., tile, None].to(torch.float64) * frequencies
         table[..., tile, :, 0] = angles.cos()
         table[..., tile, :, 1] = angles.sin()
     return table
+
+
+def complex_table_rows(table: Tensor, positions: Tensor) -> Tensor:
+    """``rope_table``'s form of the rows at ``positions`` of a complex (max_seq_len, head_dim/2)
+    position table (torchtitan's Llama3 ``freqs_cis``)."""
+    return torch.view_as_real(table[positions]).float()
+
+
+def cos_sin_table_rows(table: Tensor, positions: Tensor) -> Tensor:
+    """``rope_table``'s form of the rows at ``positions`` of a real (max_seq_len, 2 * head_dim)
+    table of [cos, cos, sin, sin] of the angles (torchtitan's Qwen3 ``rope_cache``: each half
+    repeats the head_dim/2 angles)."""
+    half = table.shape[1] // 4
+    rows = table[positions]
+    return torch.stack((rows[..., :half], rows[..., 2 * half : 3 * half]), dim=-1).float()
 
 
 ROTATION_TILES = 8

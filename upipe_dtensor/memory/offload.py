@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from upipe_dtensor.runtime.host_store import HostStore, Parked
@@ -35,6 +36,9 @@ class _Offloaded:
 
     parked: Parked
     index: int
+    dtensor: tuple | None = None
+    """A DTensor's (mesh, placements, shape, stride) (the residual stream under tensor
+    parallelism): its local tensor is parked, the DTensor rebuilt around it when fetched."""
 
 
 class HostOffload:
@@ -75,7 +79,12 @@ class HostOffload:
             # checkpoint saves a (0,) placeholder beside each block's inputs, which holds nothing
             # and is unpacked out of the blocks' order.
             return tensor
-        handle = _Offloaded(self.store.park(tensor), index=len(self._in_flight))
+        layout = None
+        if isinstance(tensor, DTensor):
+            layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+            with torch.no_grad():
+                tensor = tensor.to_local()
+        handle = _Offloaded(self.store.park(tensor), index=len(self._in_flight), dtensor=layout)
         self._in_flight.append(handle)
         return handle
 
@@ -90,6 +99,11 @@ class HostOffload:
         tensor = self.store.retrieve(handle.parked, release=True)
         if handle.index == 0:
             self._in_flight.clear()  # the step's last unpack: the next forward starts afresh
+        if handle.dtensor is not None:
+            mesh, placements, shape, stride = handle.dtensor
+            tensor = DTensor.from_local(
+                tensor, mesh, placements, run_check=False, shape=shape, stride=stride
+            )
         return tensor
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

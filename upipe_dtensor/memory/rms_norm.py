@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.kernels.tiling import tile_starts
+from upipe_dtensor.runtime.sharded_compute import local_shard_op
 
 
 def rms_norm_forward(
@@ -132,8 +133,11 @@ class _TiledForward:
     """Tokens per tile; 0 means the model width."""
 
     def forward(self, x: Tensor) -> Tensor:
+        """A sequence-parallel input (torch's ``SequenceParallel``: a ``Shard(1)`` DTensor) is
+        normalised on its local rows (``runtime.sharded_compute.local_shard_op``)."""
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return tiled_rms_norm(x, self.weight, eps, self.tile_tokens or x.shape[-1])
+        tile = self.tile_tokens or x.shape[-1]
+        return local_shard_op(lambda x, w: tiled_rms_norm(x, w, eps, tile), x, self.weight)
 
 
 _TILED: dict[type[nn.Module], type[nn.Module]] = {}

@@ -23,10 +23,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.kernels.tiling import tile_starts
+from upipe_dtensor.runtime.sharded_compute import gathered_input, local_weight, reduced_output
 
 
 def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -189,9 +191,20 @@ class _TiledForward:
     """Tokens per tile; 0 means the model width D."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return tiled_swiglu(
-            x, self.w1.weight, self.w2.weight, self.w3.weight, self.tile_tokens or x.shape[-1]
+        """Under tensor parallelism (``w1``/``w3`` column-wise, ``w2`` row-wise: DTensors) on
+        this rank's columns of the hidden state: the sequence-parallel input gathered, the partial
+        output reduced back into it (``runtime.sharded_compute``)."""
+        w2 = self.w2.weight
+        mesh = w2.device_mesh if isinstance(w2, DTensor) else None
+        local = gathered_input(x, mesh)
+        y = tiled_swiglu(
+            local,
+            local_weight(self.w1.weight),
+            local_weight(w2),
+            local_weight(self.w3.weight),
+            self.tile_tokens or x.shape[-1],
         )
+        return reduced_output(y, x, mesh)
 
 
 _SWIGLU_MLPS: dict[type[nn.Module], type[nn.Module]] = {}
@@ -202,6 +215,12 @@ _SWIGLU_MLPS: dict[type[nn.Module], type[nn.Module]] = {}
 def register_swiglu_mlp(cls: type[nn.Module]) -> None:
     """Let ``apply_tiled_mlp`` tile ``cls`` modules (a family's SwiGLU MLP, as Llama3's)."""
     _SWIGLU_MLPS.setdefault(cls, type(f"Tiled{cls.__name__}", (_TiledForward, cls), {}))
+
+
+def is_tiled_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` computes its MLP tiled (and takes its tensor-parallel input as it
+    arrives: ``models.tensor_parallel``)."""
+    return isinstance(module, _TiledForward)
 
 
 def tiled_mlp_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -20,10 +20,9 @@ from torch import nn
 from upipe_dtensor.memory.tiled_mlp import register_swiglu_mlp
 from upipe_dtensor.models.generation import family_module
 from upipe_dtensor.models.long_context import LongContextModel
-from upipe_dtensor.parallel.attention_kinds import (
-    AttentionKind,
-    KindOf,
-    register_attention_kind,
+from upipe_dtensor.parallel.attention_interface import (
+    AttentionAdapter,
+    register_attention_adapter,
 )
 
 
@@ -41,8 +40,8 @@ class ModelFamily:
     model_class: type[LongContextModel]
     attention_class: type[nn.Module]
     """torchtitan's attention module of the family, which the CP styles replace."""
-    attention: AttentionKind | KindOf
-    """How the fused attention op computes that module (or reads it off each module)."""
+    attention_adapter: AttentionAdapter
+    """How the CP styles read that module (``parallel.attention_interface``)."""
     mlp_class: type[nn.Module]
     """torchtitan's bias-free SwiGLU MLP of the family (what ``memory.tiled_mlp`` tiles)."""
     hf_model_type: str
@@ -67,7 +66,7 @@ def register_family(family: ModelFamily) -> None:
     """Register ``family`` for ``[model] name``, its attention module for the CP styles and its
     MLP for the tiled MLP."""
     FAMILIES[family.name] = family
-    register_attention_kind(family.attention_class, family.attention)
+    register_attention_adapter(family.attention_class, family.attention_adapter)
     register_swiglu_mlp(family.mlp_class)
 
 
@@ -111,7 +110,7 @@ def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
             flavors=module.FLAVORS,
             model_class=module.MODEL_CLASS,
             attention_class=module.ATTENTION_CLASS,
-            attention=module.ATTENTION_KIND,
+            attention_adapter=module.ATTENTION_ADAPTER,
             mlp_class=module.MLP_CLASS,
             hf_model_type=hf_model_type,
             args_from_hf=module.args_from_hf,

@@ -11,12 +11,19 @@ in the package asks which torchtitan it runs on.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 
 import torch
 
-TORCHTITAN_VERSION = version("torchtitan")
+try:
+    TORCHTITAN_VERSION = version("torchtitan")
+except PackageNotFoundError:
+    raise ModuleNotFoundError(
+        "the model families run on torchtitan, which is not installed: pip install "
+        "'torchtitan>=0.2.2,<0.4'",
+        name="torchtitan",
+    ) from None
 
 _PACKAGES = {(0, 2): "tt022", (0, 3): "tt030"}
 """(major, minor) -> the package of the families on that torchtitan generation."""

@@ -19,9 +19,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.chunked_loss import chunked_cross_entropy_sum
+from upipe_dtensor.runtime.sharded_compute import local_weight
 from upipe_dtensor.runtime.torch_private import CHECKPOINT_PREFIX, is_fake
 
 IGNORE_INDEX = -100
@@ -43,10 +45,11 @@ class ForwardPlan:
     checkpoint_groups: tuple = ()
     """Groups of blocks checkpointed together (``memory.offload.CheckpointGroup``), run in order;
     empty: the blocks run one by one (each may checkpoint itself)."""
-    shard_rope: Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None = None
-    """The CP style's ``shard_rope``: ``forward`` computes this rank's RoPE table once, from the
-    frequencies and the positions, and every block (and its recompute) reads that one table.
-    None: each block derives it from the frequencies."""
+    shard_rope: Callable[..., torch.Tensor] | None = None
+    """The CP style's ``shard_rope``: ``forward`` computes this rank's RoPE table once, by the
+    model's rule (``rope_table``) at the layout's positions or the given ones, and every block
+    (and its recompute) reads that one table. None: each block derives it from the
+    frequencies."""
 
 
 PLAIN = ForwardPlan()
@@ -66,11 +69,16 @@ class LongContextModel(nn.Module):
         """The RoPE inverse frequencies (float64, (head_dim/2,)) the blocks read."""
         raise NotImplementedError
 
+    def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """The RoPE table at ``positions`` (``kernels.rope.rope_table``), from the frequencies."""
+        return rope_table(self.rope_frequencies(), positions)
+
     def block_arguments(
-        self, rope: torch.Tensor, attention_masks, positions: torch.Tensor | None
+        self, rope: torch.Tensor | None, attention_masks, positions: torch.Tensor | None
     ) -> tuple[tuple, dict[str, Any]]:
-        """The arguments after ``h`` of every block's call: ``rope`` is the frequencies or this
-        shard's table (``ForwardPlan.shard_rope``), ``positions`` None with a table."""
+        """The arguments after ``h`` of every block's call: ``rope`` this shard's table
+        (``ForwardPlan.shard_rope``; ``positions`` None then), or None for each attention to
+        derive it from the frequencies."""
         raise NotImplementedError
 
     def reset_rope(self, device: torch.device) -> None:
@@ -101,9 +109,10 @@ class LongContextModel(nn.Module):
         (tokens, vocab) logits.
         """
         h = self.tok_embeddings(tokens)
-        rope = self.rope_frequencies()
+        rope = None
         if plan.shard_rope is not None:  # once per forward, not per block (nor per recompute)
-            rope, positions = plan.shard_rope(rope, tokens.shape[1], positions), None
+            rope = plan.shard_rope(self.rope_table, tokens.shape[1], positions, tokens.device)
+            positions = None
         args, kwargs = self.block_arguments(rope, attention_masks, positions)
         if plan.checkpoint_groups:
             for group in plan.checkpoint_groups:
@@ -112,19 +121,35 @@ class LongContextModel(nn.Module):
             for layer in self.layers.values():
                 h = layer(h, *args, **kwargs)
         h = self.norm(h)
+        if isinstance(h, DTensor):  # tensor parallelism: this rank's sequence-parallel tokens
+            return self._sequence_parallel_head(h, labels, per_token, plan)
+        return self._head(h, self.output, self.output.weight, labels, per_token, plan)
+
+    def _head(
+        self,
+        h: torch.Tensor,
+        project: Callable[[torch.Tensor], torch.Tensor],
+        weight: torch.Tensor,
+        labels: torch.Tensor | None,
+        per_token: bool,
+        plan: ForwardPlan,
+    ) -> torch.Tensor:
+        """The logits of ``h`` by ``project`` (the output layer, of ``weight``), or the loss."""
         if labels is None:
-            return self.output(h)
+            return project(h)
         if per_token:
-            return self._token_losses(h, labels, plan.loss_chunk_tokens or EVAL_CHUNK_TOKENS)
+            return self._token_losses(
+                h, project, labels, plan.loss_chunk_tokens or EVAL_CHUNK_TOKENS
+            )
         if plan.loss_chunk_tokens:
             return chunked_cross_entropy_sum(
                 h,
-                self.output.weight,
+                weight,
                 labels,
                 chunk_tokens=plan.loss_chunk_tokens,
                 ignore_index=IGNORE_INDEX,
             )
-        logits = self.output(h)
+        logits = project(h)
         return F.cross_entropy(
             logits.flatten(0, 1).float(),
             labels.flatten(),
@@ -132,12 +157,40 @@ class LongContextModel(nn.Module):
             reduction="sum",
         )
 
-    def _token_losses(self, h: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def _sequence_parallel_head(
+        self,
+        h: DTensor,
+        labels: torch.Tensor | None,
+        per_token: bool,
+        plan: ForwardPlan,
+    ) -> torch.Tensor:
+        """``_head`` under tensor parallelism (``models.tensor_parallel``): each rank on its
+        sequence-parallel 1/tp of the tokens (``h``'s local rows, their labels) with the
+        replicated output weight, whose gradient is this rank's partial sum (reduced over tp by
+        DTensor and FSDP2); the loss sums are this rank's tokens', the logits and per-token
+        losses the whole CP shard's (gathered over tp)."""
+        mesh = h.device_mesh
+        weight = local_weight(self.output.weight, partial_grad=True)
+        if labels is not None:
+            labels = labels.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+        project = functools.partial(F.linear, weight=weight)
+        out = self._head(h.to_local(), project, weight, labels, per_token, plan)
+        if labels is not None and not per_token:
+            return out
+        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False).full_tensor()
+
+    @staticmethod
+    def _token_losses(
+        h: torch.Tensor,
+        project: Callable[[torch.Tensor], torch.Tensor],
+        labels: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
         """Each token's cross-entropy, ``chunk`` tokens at a time (for evaluation, no autograd)."""
         h_flat, labels_flat = h.flatten(0, 1), labels.flatten()
         losses = torch.empty(labels_flat.shape, dtype=torch.float32, device=h.device)
         for start in range(0, labels_flat.shape[0], chunk):
-            logits = self.output(h_flat[start : start + chunk]).float()
+            logits = project(h_flat[start : start + chunk]).float()
             losses[start : start + chunk] = F.cross_entropy(
                 logits,
                 labels_flat[start : start + chunk],

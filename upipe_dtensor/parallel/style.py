@@ -1,38 +1,41 @@
-"""Context-parallel styles for the attention of a registered model family (torchtitan's Llama3
-and Qwen3 ``Attention``, ``parallel.attention_kinds``): UPipe, Ulysses, ring attention and FPDT.
+"""Context-parallel styles for the attention modules of a registered model family (an adapter in
+``parallel.attention_interface``: torchtitan's Llama3 and Qwen3 attention, registered by
+``models``): UPipe, Ulysses, ring attention and FPDT.
 
 Applied with ``parallelize_module(model, cp_mesh, {"layers.*.attention": UPipeAttention()})``.
 Every style exposes ``shard_positions(seq_len, cp_rank,
 cp_size)``, the tokens each rank feeds in the order its module expects, and accepts a document
 mask; all of them run through the same all-to-all, kernels, ring and host-memory pieces. Unlike
-PyTorch's tensor-parallel styles, the parameters stay
-plain tensors, replicated over the CP mesh: the style changes how activations are laid out, not
-how weights are, so ``fully_shard`` applied afterwards owns the parameters as usual.
+PyTorch's tensor-parallel styles, the parameters stay as they are, replicated over the CP mesh:
+the style changes how activations are laid out, not how weights are, so ``fully_shard`` applied
+afterwards owns the parameters as usual. A module already tensor-parallel (its projections
+sharded over a ``tp`` mesh as torchtitan shards them) runs the style on its own heads
+(``parallel.tensor_parallel``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from upipe_dtensor.kernels.backends import BACKENDS, CUDA_BACKENDS, check_kernel_limits
-from upipe_dtensor.kernels.rope import rope_table
 from upipe_dtensor.memory.kept_attention import KeptAttention
-from upipe_dtensor.parallel.attention_kinds import (
-    attention_kind,
-    attention_weights,
-    qk_transform_of,
+from upipe_dtensor.parallel.attention_interface import (
+    AttentionAdapter,
+    AttentionCall,
+    AttentionLayer,
+    attention_adapter,
     unused_parameters,
 )
-from upipe_dtensor.parallel.attention_op import AttentionParams
+from upipe_dtensor.parallel.attention_op import AttentionParams, AttentionWeights
 from upipe_dtensor.parallel.fpdt_attention import fpdt_attention, fpdt_qkv_attention
 from upipe_dtensor.parallel.layouts import (
     chunk_count,
@@ -49,7 +52,9 @@ from upipe_dtensor.parallel.style_options import (
     UlyssesOptions,
     UPipeOptions,
 )
+from upipe_dtensor.parallel.tensor_parallel import local_weights, tensor_parallel_mesh
 from upipe_dtensor.runtime.host_store import HostMemory
+from upipe_dtensor.runtime.sharded_compute import gathered_input, reduced_output
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ class ContextParallelAttention(ParallelStyle):
     Subclasses declare their options (``Options``, a ``parallel.style_options`` dataclass: the
     style's ``[parallelism]`` keys, checked in one function), and say how the mesh maps to head
     and ring axes (``_axes``), which tokens a rank holds (``shard_positions``) and which op runs
-    the attention (``_attend``).
+    the attention (``_op``).
     """
 
     Options: ClassVar[type[StyleOptions]] = StyleOptions
@@ -225,20 +230,24 @@ class ContextParallelAttention(ParallelStyle):
         raise NotImplementedError
 
     def shard_rope(
-        self, freqs_cis: Tensor, local_len: int, positions: Tensor | None = None
+        self,
+        rope_at: Callable[[Tensor], Tensor],
+        local_len: int,
+        positions: Tensor | None = None,
+        device: torch.device | None = None,
     ) -> Tensor:
-        """The RoPE table (``kernels.rope.rope_table``) of this rank's shard of ``local_len``
-        tokens, on ``freqs_cis``'s device: at the layout's global positions, or at the given
-        (1, S/C) or (B, S/C) ``positions``. Our ``Llama3`` computes it once per forward and passes
-        it to every layer in place of ``freqs_cis``: no per-layer positions or float64 angles,
-        and no host copy (the positions are built on the device). Call after
-        ``parallelize_module``, which tells the style its rank."""
+        """The RoPE table of this rank's shard of ``local_len`` tokens by the model's rule
+        ``rope_at`` (positions -> table, ``kernels.rope.rope_table``): at the layout's global
+        positions (built on ``device``), or at the given (1, S/C) or (B, S/C) ``positions``. Our
+        models compute it once per forward and pass it to every layer by name: no per-layer
+        positions or float64 angles, and no host copy. Call after ``parallelize_module``, which
+        tells the style its rank."""
         if self._applied_axes is None:
             raise ValueError(
                 f"{type(self).__name__}.shard_rope: the style knows its rank once applied to its "
                 "mesh; call it after parallelize_module"
             )
-        return _shard_rope(self, self._applied_axes, freqs_cis, local_len, positions)
+        return _shard_rope(self, self._applied_axes, rope_at, local_len, positions, device)
 
     def _positions(self, axes: _Axes, seq_len: int, device: torch.device) -> Tensor:
         """``shard_positions`` of this rank on ``axes`` (which know the mesh's ring degree)."""
@@ -266,15 +275,19 @@ class ContextParallelAttention(ParallelStyle):
             kernel_device=self.kernel_device or "",
         )
 
-    def _params(self, module: nn.Module, axes: _Axes, seq_len: int) -> AttentionParams:
-        """The fused attention op's plain values for this module on these axes."""
-        kind = attention_kind(module)
-        transform, eps = qk_transform_of(module, kind)
+    def _params(
+        self, layer: AttentionLayer, weights: AttentionWeights, axes: _Axes, seq_len: int
+    ) -> AttentionParams:
+        """The fused attention op's plain values for a layer of ``layer``'s shape computing with
+        ``weights`` (this tensor-parallel rank's heads) on these axes."""
         return dataclasses.replace(
-            self._stage_params(module.n_heads, module.head_dim, axes, seq_len),
-            rope_pairs=kind.rope_pairs,
-            qk_transform=transform,
-            qk_eps=eps,
+            self._stage_params(
+                weights.wq.shape[0] // layer.head_dim, layer.head_dim, axes, seq_len
+            ),
+            scale=layer.scale,
+            rope_pairs=layer.rope_pairs,
+            qk_transform=layer.qk_transform,
+            qk_eps=layer.qk_eps,
             keep="" if self.kept is None or not torch.is_grad_enabled() else self.kept.name,
         )
 
@@ -332,15 +345,47 @@ class ContextParallelAttention(ParallelStyle):
         params = self._stage_params(q.shape[2], q.shape[3], axes, seq_len)
         return qkv_attention(q, k, v, doc_ids, params)
 
-    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
-        """The layer's output (after ``wo``) for this rank's shard ``x``."""
-        params = self._params(module, axes, x.shape[1] * axes.cp_degree)
-        return staged_attention(x, attention_weights(module), rope, doc_ids, params)
+    _op = staticmethod(staged_attention)
+    """The fused op this style runs: (x, weights, rope, doc_ids, params) -> the layer's output
+    (after ``wo``)."""
+
+    def _forward(self, module: nn.Module, call: AttentionCall) -> Tensor:
+        """The attention module's output for one call on this rank's shard (its adapter read
+        the call): the fused op on this tensor-parallel rank's heads."""
+        weights = module.cp_adapter.weights(module)
+        mesh = tensor_parallel_mesh(weights)
+        x = gathered_input(call.x, mesh)
+        axes, layer = module.cp_axes, module.cp_layer
+        local_len = x.shape[1]
+        seq_len = local_len * axes.cp_degree
+        if call.document_ids is not None:
+            _check_document_ids(call.document_ids, x.shape[0], seq_len)
+        if call.rope_table is not None:
+            if call.rope_table.shape[-3] != local_len or call.positions is not None:
+                raise ValueError(
+                    f"a RoPE table passed for {call.rope_table.shape[-3]} tokens with positions "
+                    f"{None if call.positions is None else tuple(call.positions.shape)} does not "
+                    f"fit this rank's {local_len} tokens; pass the table of this shard alone "
+                    "(shard_rope)"
+                )
+            rope = call.rope_table
+        else:
+            reach = call.rope_positions
+            if call.positions is None and reach is not None and seq_len > reach:
+                raise ValueError(
+                    f"sequence length {seq_len} (= {local_len} local tokens x cp "
+                    f"{axes.cp_degree}) exceeds the model's RoPE table of {reach} positions; "
+                    f"build the model with max_seq_len >= {seq_len}"
+                )
+            rope = _shard_rope(self, axes, call.rope_at, local_len, call.positions, x.device)
+        local = local_weights(weights, layer.head_dim, mesh)
+        params = self._params(layer, local, axes, seq_len)
+        return reduced_output(self._op(x, local, rope, call.document_ids, params), call.x, mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_attention_module(module)
+        adapter, layer, tp_degree = _check_attention_module(module)
         if self.kernel_device == "cuda" or self.backend in CUDA_BACKENDS:
-            check_kernel_limits("sdpa" if self.backend == "auto" else self.backend, module.head_dim)
+            check_kernel_limits("sdpa" if self.backend == "auto" else self.backend, layer.head_dim)
         axes = self._axes(device_mesh)
         applied = self._applied_axes
         if applied not in (None, axes):
@@ -352,16 +397,16 @@ class ContextParallelAttention(ParallelStyle):
             )
         self.options.check(  # the geometry, checked before any forward
             Geometry(
-                n_heads=module.n_heads,
-                n_kv_heads=module.n_kv_heads,
+                n_heads=layer.n_heads,
+                n_kv_heads=layer.n_kv_heads,
                 cp_degree=axes.cp_degree,
                 ring_degree=device_mesh.size(0) if device_mesh.ndim == 2 else 1,  # 2D's ring axis
+                tp_degree=tp_degree,
             )
         )
         module.cp_style, module.cp_axes = self, _AXES.setdefault(axes, axes)
-        module.__class__ = _context_parallel_class(
-            type(module), attention_kind(module).parts.rope_in_module
-        )
+        module.cp_adapter, module.cp_layer = adapter, layer
+        module.__class__ = _context_parallel_class(type(module))
         self._applied_axes = axes
         return module
 
@@ -480,9 +525,7 @@ class _ChunkedSequence(ContextParallelAttention):
         chunks = chunk_count(seq_len, axes.cp_degree, self.options.chunk_tokens)
         return dataclasses.replace(params, chunks=chunks, store_name=self.host.name)
 
-    def _attend(self, module: nn.Module, axes: _Axes, x: Tensor, rope: Tensor, doc_ids) -> Tensor:
-        params = self._params(module, axes, x.shape[1] * axes.cp_degree)
-        return fpdt_attention(x, attention_weights(module), rope, doc_ids, params)
+    _op = staticmethod(fpdt_attention)
 
     def _attention_of(
         self,
@@ -660,38 +703,25 @@ class FPDTAttention(_ChunkedSequence):
     Options = FPDTOptions
 
 
-def _check_attention_module(module: nn.Module) -> None:
-    kind = attention_kind(module)  # refuses a class no model family registered
-    missing = kind.parts.missing(module)
-    if missing:
-        raise ValueError(
-            f"context-parallel attention styles apply to {kind.family} attention modules with "
-            f"{kind.parts.name}; {type(module).__name__} lacks {missing}. Check the plan's "
-            f"module path (e.g. 'layers.*.attention')."
-        )
-    if getattr(module, "attn_type", "sdpa") != "sdpa":
-        raise ValueError(
-            f"attention with attn_type={module.attn_type!r} is not supported: the context-parallel "
-            f"styles run their own attention (causal, or document-masked through "
-            f"attention_masks); build the model with attn_type='sdpa'"
-        )
-    unused = unused_parameters(module)
+def _check_attention_module(module: nn.Module) -> tuple[AttentionAdapter, AttentionLayer, int]:
+    """The module's adapter, its layer and the tensor-parallel degree of its heads; ValueError
+    for a module the fused op would compute wrongly."""
+    adapter = attention_adapter(module)  # refuses a class no adapter is registered for
+    adapter.check(module)
+    layer = adapter.layer(module)
+    weights = adapter.weights(module)
+    unused = unused_parameters(module, weights)
     if unused:
         raise ValueError(
             f"{type(module).__name__} has parameters {unused} that the context-parallel styles' "
-            f"fused attention op does not compute with ({kind.family}: bias-free "
-            f"{kind.parts.name}"
-            + (f" and the {kind.qk_transform} of q_norm/k_norm" if kind.qk_transform else "")
+            f"fused attention op does not compute with ({layer.family}: bias-free projections"
+            + (f" and the {layer.qk_transform} of the q/k norms" if layer.qk_transform else "")
             + "); a model with them needs its family's op support"
         )
-    for name, weight in kind.parts.projection_weights(module).items():
-        if isinstance(weight, DTensor):
-            raise ValueError(
-                f"{name} is already a DTensor: apply the context-parallel style before "
-                f"tensor parallelism or fully_shard"
-            )
-    if module.head_dim % 2:
-        raise ValueError(f"head_dim={module.head_dim} must be even for rotary embeddings")
+    mesh = tensor_parallel_mesh(weights)  # refuses DTensors of another layout
+    if layer.head_dim % 2:
+        raise ValueError(f"head_dim={layer.head_dim} must be even for rotary embeddings")
+    return adapter, layer, 1 if mesh is None else mesh.size()
 
 
 _AXES: dict[_Axes, _Axes] = {}
@@ -699,108 +729,39 @@ _AXES: dict[_Axes, _Axes] = {}
 _CP_CLASSES: dict[type, type] = {}
 
 
-def _context_parallel_class(cls: type, module_rope: bool) -> type:
-    """``cls`` with the context-parallel forward (``module_rope``: the forward of a module that
-    holds its RoPE, ``AttentionParts.rope_in_module``): one class per attention class, which the
-    style swaps in. A forward patched onto each layer would be guarded by ``torch.compile`` by its
+def _context_parallel_class(cls: type) -> type:
+    """``cls`` with the context-parallel forward: one class per attention class, which the style
+    swaps in. A forward patched onto each layer would be guarded by ``torch.compile`` by its
     identity, so every block would compile again (and fullgraph compilation fails past dynamo's
     recompile limit); a class and a style shared by all layers are guarded once."""
     base = getattr(cls, "_cp_base", cls)
     if base not in _CP_CLASSES:
-        forward = _cp_forward_rope_in_module if module_rope else _cp_forward
         _CP_CLASSES[base] = type(
             f"ContextParallel{base.__name__}",
             (base,),
-            {"forward": forward, "_cp_base": base, "__module__": __name__},
+            {"forward": _cp_forward, "_cp_base": base, "__module__": __name__},
         )
     return _CP_CLASSES[base]
 
 
-def _cp_forward(
-    self: nn.Module,
-    x: Tensor,
-    freqs_cis: Tensor,
-    attention_masks: Tensor | None = None,
-    positions: Tensor | None = None,
-) -> Tensor:
-    return _cp_attention_forward(
-        self, self.cp_style, self.cp_axes, x, freqs_cis, attention_masks, positions
-    )
-
-
-def _cp_forward_rope_in_module(
-    self: nn.Module,
-    x: Tensor,
-    attention_masks: Tensor | None = None,
-    positions: Tensor | None = None,
-) -> Tensor:
-    """torchtitan 0.3.0's ``GQAttention.forward(x, attention_masks, positions)``: RoPE from the
-    module's own ``rope`` part (our models' float64 frequencies, torchtitan's position table), or
-    this shard's RoPE table in the ``positions`` slot, which is how our models pass the table
-    computed once per forward (``models.long_context``: 0.3.0's blocks have no RoPE argument)."""
-    if positions is not None and is_rope_table(positions):
-        rope, positions = positions, None
-    else:
-        rope = self.rope.cache
-    return _cp_attention_forward(
-        self, self.cp_style, self.cp_axes, x, rope, attention_masks, positions
-    )
-
-
-def _cp_attention_forward(
-    module: nn.Module,
-    style: ContextParallelAttention,
-    axes: _Axes,
-    x: Tensor,
-    freqs_cis: Tensor,
-    attention_masks: Tensor | None = None,
-    positions: Tensor | None = None,
-) -> Tensor:
-    """Drop-in for torchtitan ``Attention.forward`` on a sequence shard. ``freqs_cis`` is the
-    model's RoPE frequencies (ours, float64) or position table (torchtitan's, complex), or this
-    shard's RoPE table computed once for the whole forward (``shard_rope``, what our ``Llama3``
-    passes)."""
-    local_len = x.shape[1]
-    if attention_masks is not None:
-        _check_document_ids(attention_masks, x.shape[0], local_len * axes.cp_degree)
-    if is_rope_table(freqs_cis):
-        if freqs_cis.shape[-3] != local_len or positions is not None:
-            raise ValueError(
-                f"a RoPE table passed for {freqs_cis.shape[-3]} tokens with positions "
-                f"{None if positions is None else tuple(positions.shape)} does not fit this "
-                f"rank's {local_len} tokens; pass the table of this shard alone (shard_rope)"
-            )
-        rope = freqs_cis
-    else:
-        rope = _shard_rope(style, axes, freqs_cis, local_len, positions)
-    return style._attend(module, axes, x, rope, attention_masks)
-
-
-def is_rope_table(freqs_cis: Tensor) -> bool:
-    """A shard's real (S, d/2, 2) or (B, S, d/2, 2) float32 RoPE table (``rope_table``), as
-    opposed to frequencies (1-D float64) or torchtitan's position tables (Llama3's complex,
-    Qwen3's real (max_seq_len, 2 * head_dim))."""
-    return (
-        freqs_cis.dtype == torch.float32 and freqs_cis.dim() in (3, 4) and freqs_cis.shape[-1] == 2
-    )
+def _cp_forward(self: nn.Module, *args: object, **kwargs: object) -> Tensor:
+    """The attention module's forward under its style: the arguments of the module's own forward,
+    read by its adapter (``parallel.attention_interface``)."""
+    return self.cp_style._forward(self, self.cp_adapter.call(self, *args, **kwargs))
 
 
 def _shard_rope(
     style: ContextParallelAttention,
     axes: _Axes,
-    freqs_cis: Tensor,
+    rope_at: Callable[[Tensor], Tensor],
     local_len: int,
     positions: Tensor | None,
+    device: torch.device | None,
 ) -> Tensor:
-    seq_len = local_len * axes.cp_degree
+    """The RoPE table of this rank's ``local_len`` tokens by ``rope_at``: at the given global
+    ``positions``, checked, or at the layout's."""
     if positions is None:
-        if freqs_cis.dim() == 2 and seq_len > freqs_cis.shape[0]:  # a torchtitan position table
-            raise ValueError(
-                f"sequence length {seq_len} (= {local_len} local tokens x cp {axes.cp_degree}) "
-                f"exceeds the model's RoPE table of {freqs_cis.shape[0]} positions; build the "
-                f"model with max_seq_len >= {seq_len}"
-            )
-        positions = style._positions(axes, seq_len, freqs_cis.device)
+        positions = style._positions(axes, local_len * axes.cp_degree, device)
     elif positions.shape[-1] != local_len or positions.dim() != 2:
         raise ValueError(
             f"positions must be (1, {local_len}) or (B, {local_len}) global indices of this "
@@ -808,7 +769,7 @@ def _shard_rope(
         )
     elif positions.shape[0] == 1:
         positions = positions[0]
-    return rope_table(freqs_cis, positions)
+    return rope_at(positions)
 
 
 def _check_document_ids(doc_ids: object, batch: int, seq_len: int) -> None:

@@ -16,6 +16,7 @@ whose meaning is written once, here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -29,14 +30,18 @@ FPDT_PAPER_CHUNK_TOKENS = 65536
 @dataclass(frozen=True)
 class Geometry:
     """The numbers a style's options are checked against: the model's heads, the CP mesh (C ranks,
-    R of them on the ring axis) and the sequence. None where not known yet (a style constructed
-    before its model and mesh exist checks what it can)."""
+    R of them on the ring axis), the tensor-parallel ranks the heads are split over and the
+    sequence. None where not known yet (a style constructed before its model and mesh exist
+    checks what it can)."""
 
     n_heads: int | None = None
+    """The layer's query heads (every tensor-parallel rank's together)."""
     n_kv_heads: int | None = None
     cp_degree: int | None = None
     ring_degree: int | None = None
     seq_len: int | None = None
+    tp_degree: int = 1
+    """Tensor-parallel ranks: each runs the style on its n_heads / tp_degree heads."""
 
 
 class OptionError(ValueError):
@@ -120,18 +125,38 @@ class StyleOptions:
                     "seq_len",
                     "cp_degree",
                 ) from None
+        tp = geometry.tp_degree
+        if tp > 1 and geometry.n_heads is not None:
+            n_kv = geometry.n_kv_heads or geometry.n_heads
+            if geometry.n_heads % tp or n_kv % tp:
+                raise OptionError(
+                    f"tensor_parallel_degree = {tp} must divide the query heads "
+                    f"({geometry.n_heads}) and the KV heads ({n_kv}): each tensor-parallel rank "
+                    f"holds whole KV heads with their query heads; take a tensor_parallel_degree "
+                    f"dividing {math.gcd(geometry.n_heads, n_kv)}",
+                    "tensor_parallel_degree",
+                    "n_heads",
+                )
         if self.head_axis and None not in (geometry.n_heads, geometry.cp_degree):
             heads = self.head_degree(geometry.cp_degree, ring)
+            local = geometry.n_heads // tp
             try:
                 make_head_schedule(
-                    geometry.n_heads,
-                    geometry.n_kv_heads or geometry.n_heads,
+                    local,
+                    (geometry.n_kv_heads or geometry.n_heads) // tp,
                     heads,
-                    self.stage_heads(geometry.n_heads, heads),
+                    self.stage_heads(local, heads),
                 )
             except ValueError as err:
+                on = f" (the {local} heads of each of {tp} tensor-parallel ranks)" if tp > 1 else ""
                 raise OptionError(
-                    str(err), "n_heads", "heads_per_stage", "cp_degree", "ring_degree", "cp_style"
+                    f"{err}{on}",
+                    "n_heads",
+                    "heads_per_stage",
+                    "cp_degree",
+                    "ring_degree",
+                    "cp_style",
+                    *(("tensor_parallel_degree",) if tp > 1 else ()),
                 ) from None
 
     def describe(self, n_heads: int, cp_degree: int, ring_degree: int = 1) -> str:

@@ -295,27 +295,38 @@ def _valid_worlds(config: JobConfig, gpus_per_node: int, upto: int) -> list[int]
 
 
 def on_world(config: JobConfig, world: int, gpus_per_node: int) -> JobConfig:
-    """``config`` with every rank splitting the sequence, 2D across nodes for UPipe/Ulysses;
-    ConfigError when the model's heads do not split over that many ranks."""
+    """``config`` with every rank splitting the sequence (its tensor-parallel degree kept: the
+    other ranks split it over cp), 2D across nodes for UPipe/Ulysses; ConfigError when the
+    model's heads do not split over that many ranks."""
     options = config.parallelism.style.options
-    ring = world // gpus_per_node if world > gpus_per_node and options.ring_axis else 1
-    if ring > 1 and world % gpus_per_node:
+    tp = config.parallelism.tensor_parallel_degree
+    if world % tp:
+        raise ConfigError(f"--world-size {world} is not a multiple of tensor_parallel_degree {tp}")
+    cp, cp_per_node = world // tp, max(1, gpus_per_node // tp)
+    ring = cp // cp_per_node if cp > cp_per_node and options.ring_axis else 1
+    if ring > 1 and cp % cp_per_node:
         raise ConfigError(
             f"--world-size {world} is not whole nodes of --gpus-per-node {gpus_per_node}"
         )
-    heads_axis = world // ring
+    heads_axis = cp // ring
     if options.head_axis:
         args = model_args(config.model, config.training.seq_len)
-        if not valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis):
+        n_heads, n_kv = args.n_heads, args.n_kv_heads or args.n_heads
+        if (
+            n_heads % tp
+            or n_kv % tp
+            or not valid_heads_per_stage(n_heads // tp, n_kv // tp, heads_axis)
+        ):
+            on_tp = f" (1/{tp} of them on each tensor-parallel rank)" if tp > 1 else ""
             raise ConfigError(
-                f"the {args.n_heads} query / {args.n_kv_heads or args.n_heads} KV heads "
-                f"of flavor {config.model.flavor!r} do not split over {heads_axis} ranks"
+                f"the {n_heads} query / {n_kv} KV heads of flavor {config.model.flavor!r}"
+                f"{on_tp} do not split over {heads_axis} ranks"
             )
     on_ring = {"chunk_tokens": None} if ring > 1 else {}  # chunks stay on one node
     return _replace(
         config,
         "parallelism",
-        context_parallel_degree=world,
+        context_parallel_degree=cp,
         data_parallel_shard_degree=-1,
         ring_degree=ring,
         **on_ring,

@@ -24,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
@@ -48,7 +50,11 @@ from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker, Peak
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
 from upipe_dtensor.runtime.group_backends import backend_device_types
 from upipe_dtensor.runtime.process_group import process_group_backend
-from upipe_dtensor.runtime.torch_private import FakeTensorMode, current_graph_task_id
+from upipe_dtensor.runtime.torch_private import (
+    FakeTensorMode,
+    current_graph_task_id,
+    unset_fake_temporarily,
+)
 from upipe_dtensor.train.build import Placement
 from upipe_dtensor.train.parallelize import describe_cp_style
 from upipe_dtensor.train.setup import build_meshes, holds_host_tensors
@@ -603,6 +609,25 @@ def plan_job(
     )
 
 
+@contextlib.contextmanager
+def _meshes_from_real_tensors() -> Iterator[None]:
+    """Device meshes made inside the fake step from real tensors: FSDP2 joins its dp_shard x cp
+    mesh with the tensor-parallel one for each DTensor parameter, and a mesh finds this rank's
+    coordinates with ``nonzero``, which a fake tensor cannot answer (its mesh is host metadata,
+    not a tensor of the step)."""
+    init = DeviceMesh.__init__
+
+    def real_init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
+
+
 def _trace(
     config: JobConfig,
     reduction: DepthReduction | None,
@@ -631,9 +656,10 @@ def _trace(
     forget_per_trace_caches()
     try:
         cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
-        meshes = build_meshes("cpu", dp, cp, ring)
+        meshes = build_meshes("cpu", dp, cp, ring, parallelism.tensor_parallel_degree)
         tracker = LiveMemoryTracker()
-        counter = StepWorkCounter(DEVICE, host, gpus_per_node)
+        tp_group = meshes.tp.get_group().group_name if meshes.tp.size() > 1 else ""
+        counter = StepWorkCounter(DEVICE, host, gpus_per_node, tp_group)
         rehearsal = GpuRehearsal(DEVICE, host, target) if target == "cuda" else None
         watch = rehearsal.ops() if rehearsal is not None else contextlib.nullcontext()
         timeline = StepTimeline(counter, rehearsal) if reduction is not None else None
@@ -644,6 +670,7 @@ def _trace(
         )
         with (
             planned_compile.fresh_compiles(compiled),
+            _meshes_from_real_tensors(),
             FakeTensorMode(allow_non_fake_inputs=True),
             watch,
             transparent_ops(),

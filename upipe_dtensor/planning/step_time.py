@@ -37,6 +37,11 @@ Time on one rank, all ranks of a CP job doing the same work:
   overlapping the next block's backward, so exposed = max(0, FSDP - compute) + one all-gather
   (the step's first, which nothing precedes) + k min(FSDP, compute) (the SMs the hidden part
   holds); all-reduces (loss, gradient norm) exposed;
+- tensor parallelism's collectives (each block's input all-gathered over tp before its
+  attention and MLP, their outputs reduce-scattered, the reverse in backward; the embeddings'
+  and the replicated weights' reductions): on the compute stream, between the ops that produce
+  and use them, so exposed whole (torchtitan's async TP, which overlaps them with the matmuls, is
+  not used);
 - host <-> device copies share the host link (``host_link_bytes_per_s`` per GPU, all GPUs
   copying at once) on copy engines (no SMs): side-stream copies overlap compute, except the
   block inputs fetched back in backward when ``cpu_offload_prefetch`` is off, which the compute
@@ -60,7 +65,7 @@ import copy
 from dataclasses import dataclass, field, fields
 
 from upipe_dtensor.planning.hardware import HardwareProfile
-from upipe_dtensor.planning.step_work import StepWork
+from upipe_dtensor.planning.step_work import TENSOR_PARALLEL_KINDS, StepWork
 
 ADAMW_BYTES_PER_PARAM = 28
 """fp32 parameter (read, write), gradient (read), two moments (read, write each): 7 x 4 bytes."""
@@ -259,6 +264,7 @@ def _price(work: StepWork, shape: StepShape, profile: HardwareProfile) -> _Price
         reserved = profile.nccl_sm_share
         margin_saves = a2a_exposed - (staged + attention_s * reserved / (1 - reserved))
 
+    tp_s, tp_calls = _comm_seconds(work, profile, *TENSOR_PARALLEL_KINDS)
     breakdown = {
         "compute": compute_s,
         "exposed head all-to-all": a2a_exposed,
@@ -268,6 +274,10 @@ def _price(work: StepWork, shape: StepShape, profile: HardwareProfile) -> _Price
         "optimizer": optimizer_s,
         "all-reduce latency": reduce_calls * profile.collective_latency_s,
     }
+    if tp_calls:  # only a tensor-parallel job has the row (tp = 1 plans are as before)
+        breakdown["exposed tensor-parallel collectives"] = (
+            tp_s + tp_calls * profile.collective_latency_s
+        )
     return _Priced(breakdown, compute, margin_saves)
 
 

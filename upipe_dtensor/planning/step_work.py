@@ -325,14 +325,27 @@ def _group_of(func, args) -> dist.ProcessGroup | None:
     return None
 
 
+TENSOR_PARALLEL_KINDS = ("tp all_gather", "tp reduce_scatter", "tp all_reduce")
+"""The kinds of the collectives a tensor-parallel group runs (``StepWork.communication``): priced
+apart from FSDP's, which overlap compute (``step_time``)."""
+
+
 class StepWorkCounter(TorchDispatchMode):
     """Counts a ``StepWork`` while ``counting`` (the measured step, not the optimizer; see the
     module docstring). ``gpus_per_node`` decides which groups cross nodes (ranks numbered node
-    by node, as torchrun numbers them)."""
+    by node, as torchrun numbers them); a collective on ``tensor_parallel_group`` (its name) is
+    counted as tensor parallelism's (``TENSOR_PARALLEL_KINDS``)."""
 
-    def __init__(self, device: torch.device, host: torch.device, gpus_per_node: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        host: torch.device,
+        gpus_per_node: int,
+        tensor_parallel_group: str = "",
+    ) -> None:
         super().__init__()
         self.device, self.host, self.gpus_per_node = str(device), str(host), gpus_per_node
+        self.tensor_parallel_group = tensor_parallel_group
         self.work = StepWork()
         self.counting = False
         self.unpriced: set[str] = set()
@@ -383,6 +396,8 @@ class StepWorkCounter(TorchDispatchMode):
         size = group.size() if group is not None else 1
         counted = tensor_leaves(args[argument])
         nbytes = _SHARES[share](sum(_numel_bytes(t) for t in counted), size)
+        if group is not None and group.group_name == self.tensor_parallel_group:
+            kind = f"tp {kind}"
         key = (kind, group is not None and self._crosses_nodes(group))
         traffic = self.work.communication.setdefault(key, Traffic())
         traffic.bytes += nbytes * repeats()

@@ -155,7 +155,11 @@ def set_up_job(
         _init_process_group(process_group_backend(device.type, holds_host_tensors(config)))
     parallelism = config.parallelism
     meshes = placement.meshes or build_meshes(
-        device.type, dp, parallelism.context_parallel_degree, parallelism.ring_degree
+        device.type,
+        dp,
+        parallelism.context_parallel_degree,
+        parallelism.ring_degree,
+        parallelism.tensor_parallel_degree,
     )
     mixed_precision = placement.mixed_precision
     return JobSetup(
@@ -174,6 +178,8 @@ def set_up_job(
         dp_rank=meshes.dp_shard.get_local_rank(),
         cp=parallelism.context_parallel_degree,
         cp_rank=meshes.cp.get_local_rank(),
+        tp=parallelism.tensor_parallel_degree,
+        tp_rank=meshes.tp.get_local_rank(),
     )
 
 

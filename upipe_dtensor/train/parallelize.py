@@ -1,15 +1,15 @@
-"""Apply the parallelisms and the memory stack to a Llama3 model in a fixed order:
-CP style -> tiled MLP and RMSNorm -> compile (each block) -> activation checkpointing + host
-offload -> FSDP2.
+"""Apply the parallelisms and the memory stack to a model in a fixed order:
+tiled MLP and RMSNorm -> tensor parallelism -> CP style -> compile (each block) -> activation
+checkpointing + host offload -> FSDP2.
 
 torchtitan checkpoints before compiling; here compile goes inside the checkpoint wrapper because
 the offload's saved-tensor hooks cannot live inside a fullgraph-compiled region.
 
-The mesh is (dp_shard, cp_ring, cp_heads) with the head axis innermost (the ranks that exchange
-heads are neighbours, i.e. one node's NVLink domain; the ring axis of 2D context parallelism
-crosses nodes). FSDP2 shards parameters over all of it together, as in the UPipe paper: the CP
-ranks hold the same parameters, so sharding over them too divides parameter, gradient and
-optimizer memory by the whole world size.
+The mesh is (dp_shard, cp_ring, cp_heads, tp) with tensor parallelism innermost, then the head
+axis (the ranks that exchange heads are neighbours, i.e. one node's NVLink domain; the ring axis
+of 2D context parallelism crosses nodes). FSDP2 shards parameters over dp_shard x cp together, as
+in the UPipe paper: the CP ranks hold the same parameters, so sharding over them too divides
+parameter, gradient and optimizer memory by dp x cp (and tensor parallelism by tp again).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpoin
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
 from upipe_dtensor.models.long_context import ForwardPlan
+from upipe_dtensor.models.tensor_parallel import apply_tensor_parallel
 from upipe_dtensor.parallel import ContextParallelAttention
 from upipe_dtensor.parallel.registry import make_style
 from upipe_dtensor.parallel.style_options import Geometry
@@ -75,6 +76,7 @@ def make_cp_style(
             cp_degree=parallelism.context_parallel_degree,
             ring_degree=parallelism.ring_degree,
             seq_len=config.training.seq_len,
+            tp_degree=setup.tp,
         ),
         backend=setup.attention_backend,
         kernel_device=setup.kernel_device,
@@ -194,11 +196,13 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
     ``train.build.Placement``).
     """
     config, device, host_device = setup.config, setup.device, setup.host_device
-    cp_style = apply_context_parallel(model, setup)
     if config.memory.tiled_mlp:
         apply_tiled_mlp(model, config.memory.mlp_tile_tokens)
     if config.memory.tiled_rms_norm:
         apply_tiled_rms_norm(model, config.memory.norm_tile_tokens)
+    if setup.tp > 1:  # the tiled MLP gathers its own input (``models.tensor_parallel``)
+        apply_tensor_parallel(model, setup.meshes.tp, logits=False)
+    cp_style = apply_context_parallel(model, setup)
     compiled = config.compile
     use_fused_backend(compiled.backend if compiled.enable and compiled.fuse_tiles else None)
     if compiled.enable:

@@ -43,6 +43,7 @@ def job_geometry(config: JobConfig, setup: JobSetup) -> dict[str, Any]:
     return {
         "dp": setup.dp,
         "cp": setup.cp,
+        "tp": setup.tp,
         "world_size": setup.world_size,
         "cp_style": config.parallelism.cp_style,
     }

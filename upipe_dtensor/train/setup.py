@@ -20,16 +20,24 @@ from upipe_dtensor.models.hf_config import ModelArgs
 
 @dataclass(frozen=True)
 class ParallelMeshes:
-    """The (dp_shard, cp_ring, cp_heads) world mesh, its flattened cp and dp_shard x cp meshes.
+    """The (dp_shard, cp_ring, cp_heads, tp) world mesh, its flattened cp and dp_shard x cp
+    meshes, and its tp mesh.
 
-    The head axis is innermost (one node's NVLink domain carries the all-to-alls), the ring axis
-    crosses nodes; without a ring axis (ring degree 1) cp is the head axis.
+    Tensor parallelism is innermost, as torchtitan lays it out (its collectives run in every
+    block, on one node's NVLink), then the head axis (the all-to-alls, inside a node too), the
+    ring axis across nodes; without a ring axis (ring degree 1) cp is the head axis. FSDP2 shards
+    over dp_shard x cp; the tp ranks hold their own shards of the tensor-parallel weights.
     """
 
     world: DeviceMesh
     fsdp: DeviceMesh
     cp: DeviceMesh
     """All C context-parallel ranks of one sequence, in (ring, heads) order."""
+
+    @property
+    def tp(self) -> DeviceMesh:
+        """The T tensor-parallel ranks of one context-parallel rank."""
+        return self.world["tp"]
 
     @property
     def dp_shard(self) -> DeviceMesh:
@@ -44,7 +52,7 @@ class ParallelMeshes:
         """The 2D layout in global ranks, for the start-up log: the head groups (all-to-all)
         should each be one node's ranks and every ring group should join the nodes; torchrun
         numbers ranks node by node, so a wrong launch shows here."""
-        ranks = self.world.mesh  # (dp_shard, cp_ring, cp_heads) global ranks
+        ranks = self.world.mesh[..., 0]  # (dp_shard, cp_ring, cp_heads) global ranks of tp 0
         dp, ring, heads = ranks.shape
         return (
             f"mesh dp_shard {dp} x cp_ring {ring} x cp_heads {heads}: head groups (all-to-all, "
@@ -53,11 +61,13 @@ class ParallelMeshes:
         )
 
 
-def build_meshes(device_type: str, dp_shard: int, cp: int, ring: int = 1) -> ParallelMeshes:
+def build_meshes(
+    device_type: str, dp_shard: int, cp: int, ring: int = 1, tp: int = 1
+) -> ParallelMeshes:
     world = init_device_mesh(
         device_type,
-        (dp_shard, ring, cp // ring),
-        mesh_dim_names=("dp_shard", "cp_ring", "cp_heads"),
+        (dp_shard, ring, cp // ring, tp),
+        mesh_dim_names=("dp_shard", "cp_ring", "cp_heads", "tp"),
     )
     return ParallelMeshes(
         world=world,
@@ -115,6 +125,8 @@ class JobSetup:
     dp_rank: int
     cp: int
     cp_rank: int
+    tp: int = 1
+    tp_rank: int = 0
 
 
 def holds_host_tensors(config: JobConfig) -> bool:

@@ -181,12 +181,16 @@ class Trainer:
             for inputs, labels in microbatches
         ]
         tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in shards)
-        dist.all_reduce(tokens)  # every token of the step on every rank
+        # Every token of the step on every rank: each CP shard once (its tensor-parallel ranks
+        # share it, each computing the loss of 1/tp of its tokens).
+        fsdp = self.setup.meshes.fsdp
+        dist.all_reduce(tokens, group=fsdp.get_group())
         loss_sum = torch.zeros((), device=self.device)
         for index, (inputs, labels, documents) in enumerate(shards):
             self.model.set_requires_gradient_sync(index == len(shards) - 1)
             shard_sum = self.parallel(inputs, labels=labels, **documents)
-            (shard_sum * self.setup.world_size / tokens).backward()
+            # FSDP2 averages the gradients over its dp x cp ranks; tensor parallelism sums them.
+            (shard_sum * fsdp.size() / tokens).backward()
             loss_sum += shard_sum.detach()
         max_norm = self.config.training.max_norm
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
@@ -207,8 +211,9 @@ class Trainer:
         return (
             f"training {config.model.name} {config.model.flavor}, "
             f"seq_len {config.training.seq_len:,}, {style}, "
-            f"{setup.attention_choice} attention kernels, cp "
-            f"{setup.cp} x dp {setup.dp} = {ranks} on {self.device.type}, steps "
+            f"{setup.attention_choice} attention kernels, cp {setup.cp}"
+            + (f" x tp {setup.tp}" if setup.tp > 1 else "")
+            + f" x dp {setup.dp} = {ranks} on {self.device.type}, steps "
             f"{self.start_step + 1}..{config.training.steps}, from {weights} "
             f"[{config.config_file or 'no config file'}{_described(config)}]"
         )

@@ -162,12 +162,12 @@ def check_load_balancer(
 
 
 def make_cp_style(
-    args: Any, settings: Any, cp_degree: int, seq_len: int
+    args: Any, settings: Any, cp_degree: int, seq_len: int, tp_degree: int = 1
 ) -> ContextParallelAttention:
     """The ``[upipe]`` section's style for a model whose ``args`` (torchtitan 0.2.2's model args,
     or an attention module: anything with ``n_heads`` and ``n_kv_heads``) run on ``cp_degree``
-    ranks, checked as this project checks ``[parallelism]`` (ValueError naming the keys and a
-    fix)."""
+    ranks, each with 1 / ``tp_degree`` of the heads, checked as this project checks
+    ``[parallelism]`` (ValueError naming the keys and a fix)."""
     if settings.ring_degree != 1:
         raise ValueError(
             f"[upipe] ring_degree = {settings.ring_degree}: 2D context parallelism needs a "
@@ -188,6 +188,7 @@ def make_cp_style(
                 cp_degree=cp_degree,
                 ring_degree=1,
                 seq_len=seq_len,
+                tp_degree=tp_degree,
             ),
             backend=settings.attention_backend,
         )
@@ -196,12 +197,15 @@ def make_cp_style(
 
 
 def refuse_tensor_parallelism(degree: int) -> None:
-    """ValueError for ``degree`` > 1: the styles' fused attention op needs whole projections."""
+    """ValueError for ``degree`` > 1 in torchtitan 0.2.2's trainer, whose tensor-parallel plan
+    wraps the attention's projections for its own forward (0.3.0's plug-in and this project's
+    ``train.py`` take it)."""
     if degree > 1:
         raise ValueError(
-            f"[parallelism] tensor_parallel_degree = {degree}: the CP styles' fused attention "
-            "op computes with unsharded projection weights; set tensor_parallel_degree = 1 and "
-            "give the ranks to data_parallel_shard_degree"
+            f"[parallelism] tensor_parallel_degree = {degree}: the torchtitan 0.2.2 plug-in runs "
+            "the CP styles without tensor parallelism; set tensor_parallel_degree = 1, or train "
+            "with torchtitan 0.3.0's plug-in or this project's train.py "
+            "([parallelism] tensor_parallel_degree)"
         )
 
 

@@ -103,16 +103,11 @@ def parallelize_with_style(
     module over torchtitan's cp mesh, the tiled MLP and RMSNorm if asked, then ``then``
     (torchtitan's own parallelize function, with the remaining keyword ``options``:
     activation checkpointing, compile, FSDP) with its CP skipped."""
-    if parallel_dims.tp_enabled:
-        raise ValueError(
-            f"[parallelism] tensor_parallel_degree = {parallel_dims.tp}: the CP styles' fused "
-            "attention op computes with unsharded projection weights; set "
-            "tensor_parallel_degree = 1 and give the ranks to data_parallel_shard_degree"
-        )
+    tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
     if parallel_dims.cp_enabled:
         seq_len, cp = training.seq_len, parallel_dims.cp
         attention = next(iter(model.layers.values())).attention
-        style = make_cp_style(attention, settings, cp, seq_len)
+        style = make_cp_style(attention, settings, cp, seq_len, tp)
         balancer = parallelism.context_parallel_load_balancer
         if fitting_balancers(style, seq_len, cp):  # a balancer lays it out: it must be the job's
             check_load_balancer(style, balancer, seq_len, cp)
@@ -131,6 +126,8 @@ def parallelize_with_style(
         apply_tiled_mlp(model, settings.mlp_tile_tokens)
     if settings.tiled_rms_norm:
         apply_tiled_rms_norm(model, settings.norm_tile_tokens)
+    if tp > 1:
+        _take_sequence_parallel_inputs(model, settings.tiled_mlp)
     compile_config = options["compile_config"]
     if compile_config.enable and compile_config.backend == "inductor":
         register_inductor_fallbacks()
@@ -141,6 +138,18 @@ def parallelize_with_style(
         parallelism=parallelism,
         **options,
     )
+
+
+def _take_sequence_parallel_inputs(model: nn.Module, tiled_mlp: bool) -> None:
+    """Under tensor parallelism, the modules this plug-in computes itself (the styles' attention,
+    the tiled MLP) take their input as the block hands it on, sequence-parallel, and gather it
+    themselves (``runtime.sharded_compute``): torchtitan's module-level sharding config of them
+    (an all-gather of the input, and, for the MLP's output, what its row-wise ``w2`` would do) is
+    dropped before ``model.parallelize`` installs it; their weights keep theirs."""
+    for block in model.layers.values():
+        replaced = [block.attention] + ([block.feed_forward] if tiled_mlp else [])
+        for module in replaced:
+            module._sharding_config = None
 
 
 def _takes_masks(spec: ModelSpec) -> bool:

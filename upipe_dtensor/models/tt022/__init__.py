@@ -12,14 +12,25 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from upipe_dtensor.models.long_context import LongContextModel
 
-__all__ = ["OUTPUT_WEIGHT", "Decoder022", "RoPEScalingArgs"]
+__all__ = ["OUTPUT_WEIGHT", "Decoder022", "RoPEScalingArgs", "VocabParallelEmbedding"]
 
 OUTPUT_WEIGHT = "output.weight"
 """The output layer's weight in the state dict."""
+
+
+def VocabParallelEmbedding() -> ParallelStyle:  # noqa: N802 (named as 0.3.0's style class)
+    """torchtitan 0.2.2's ``nn.Embedding`` split by vocabulary rows over a ``tp`` mesh, its output
+    reduced into the sequence-parallel shard (``models.tensor_parallel``): torch's row-wise
+    style, as torchtitan 0.2.2 lays it out."""
+    return RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+    )
 
 
 class Decoder022(LongContextModel):
@@ -34,6 +45,9 @@ class Decoder022(LongContextModel):
         return getattr(self, self.ROPE_BUFFER)
 
     def block_arguments(self, rope, attention_masks, positions) -> tuple[tuple, dict]:
+        # RoPE goes where 0.2.2's blocks take it (``freqs_cis``): this shard's table, or the
+        # frequencies (``models.tt022.attention`` tells the two apart).
+        rope = self.rope_frequencies() if rope is None else rope
         return (rope,), {"attention_masks": attention_masks, "positions": positions}
 
     def reset_rope(self, device: torch.device) -> None:

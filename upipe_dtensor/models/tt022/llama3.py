@@ -33,7 +33,7 @@ from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAda
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
 from upipe_dtensor.models.tt022 import Decoder022
-from upipe_dtensor.parallel.attention_kinds import AttentionKind
+from upipe_dtensor.models.tt022.attention import Attention022
 
 __all__ = [
     "FLAVORS",
@@ -46,7 +46,7 @@ __all__ = [
 
 ATTENTION_CLASS = Attention
 """torchtitan's attention module of the family, which the CP styles replace."""
-ATTENTION_KIND = AttentionKind(family="llama3", rope_pairs="interleaved")
+ATTENTION_ADAPTER = Attention022("llama3", "interleaved")
 MLP_CLASS = FeedForward
 HF_ROPE_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
 """The weights Hugging Face stores permuted for its RoPE pairing (torchtitan's adapter permutes
@@ -78,12 +78,15 @@ FLAVORS: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, rope_theta=500000
     ),
-    "8B": Llama3Args(
-        **{
-            f.name: getattr(llama3_args["8B"], f.name)
-            for f in dataclasses.fields(TransformerModelArgs)
-        }
-    ),
+    **{
+        name: Llama3Args(
+            **{
+                f.name: getattr(llama3_args[name], f.name)
+                for f in dataclasses.fields(TransformerModelArgs)
+            }
+        )
+        for name in ("8B", "70B")
+    },
     # The UPipe paper's "32B": 64 layers, dim 5120, 64 query / 8 KV heads of 128, FFN 25600.
     "32B": Llama3Args(
         dim=5120,

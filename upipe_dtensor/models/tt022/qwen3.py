@@ -25,11 +25,11 @@ from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapt
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
 from upipe_dtensor.models.tt022 import Decoder022
-from upipe_dtensor.parallel.attention_kinds import AttentionKind
+from upipe_dtensor.models.tt022.attention import Attention022
 
 ATTENTION_CLASS = Attention
 """torchtitan's attention module of the family, which the CP styles replace."""
-ATTENTION_KIND = AttentionKind(family="qwen3", rope_pairs="half", qk_transform="rms_norm")
+ATTENTION_ADAPTER = Attention022("qwen3", "half", "rms_norm")
 MLP_CLASS = FeedForward
 HF_ROPE_PERMUTED: tuple[str, ...] = ()
 """Qwen3's Hugging Face weights need no RoPE permutation."""

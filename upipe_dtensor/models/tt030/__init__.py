@@ -18,14 +18,15 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE, RoPE
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 
 from upipe_dtensor.kernels.rope import rope_frequencies
 from upipe_dtensor.models.long_context import LongContextModel
-from upipe_dtensor.parallel.attention_kinds import QKV_LINEAR_AND_ROPE, AttentionKind
-from upipe_dtensor.parallel.style import is_rope_table
 
 OUTPUT_WEIGHT = "lm_head.weight"
 """The output layer's weight in the state dict (0.2.2: ``output.weight``)."""
@@ -119,7 +120,7 @@ def scaling_of(config: RoPE.Config) -> RoPEScalingArgs:
     )
 
 
-class _Frequencies:
+class FrequencyRoPE:
     """A torchtitan RoPE whose ``cache`` is the (head_dim/2,) float64 inverse frequencies
     (``kernels.rope.rope_frequencies``, Llama3's scaling included) instead of the position table:
     at 5M tokens torchtitan's table is GiBs per layer, in float32 angles. Only the CP styles read
@@ -129,7 +130,7 @@ class _Frequencies:
         return rope_frequencies(self.config.dim, self.config.theta, scaling_of(self.config))
 
 
-class InterleavedFrequencyRoPE(_Frequencies, ComplexRoPE):
+class InterleavedFrequencyRoPE(FrequencyRoPE, ComplexRoPE):
     """Llama3's RoPE (interleaved pairs, torchtitan's ``ComplexRoPE``) as frequencies."""
 
     @dataclass(kw_only=True, slots=True)
@@ -137,7 +138,7 @@ class InterleavedFrequencyRoPE(_Frequencies, ComplexRoPE):
         pass
 
 
-class HalfFrequencyRoPE(_Frequencies, CosSinRoPE):
+class HalfFrequencyRoPE(FrequencyRoPE, CosSinRoPE):
     """Qwen3's RoPE (rotate-half pairs, torchtitan's ``CosSinRoPE``) as frequencies."""
 
     @dataclass(kw_only=True, slots=True)
@@ -145,26 +146,40 @@ class HalfFrequencyRoPE(_Frequencies, CosSinRoPE):
         pass
 
 
-def gqa_kind(module: nn.Module) -> AttentionKind:
-    """The kind of one ``GQAttention`` (Llama3's and Qwen3's class): RoPE pairs by its ``rope``
-    part's class, RMS QK-norm when it has ``q_norm``."""
-    rope = module.rope
-    if isinstance(rope, ComplexRoPE):
-        family, pairs = "llama3", "interleaved"
-    elif isinstance(rope, CosSinRoPE):
-        family, pairs = "qwen3", "half"
-    else:
-        raise ValueError(
-            f"{type(rope).__name__} is neither torchtitan's ComplexRoPE (interleaved pairs) nor "
-            "CosSinRoPE (rotate-half pairs), the RoPE the context-parallel styles compute"
-        )
-    transform = "rms_norm" if getattr(module, "q_norm", None) is not None else ""
-    return AttentionKind(family, pairs, transform, QKV_LINEAR_AND_ROPE)
+def with_block_class(layers: list[Any], block_class: type[nn.Module]) -> list[Any]:
+    """torchtitan's block configs (from its layer builders, with its inits) as configs of
+    ``block_class``, a subclass of the block they build, so the model builds ``block_class``."""
+    return [
+        block_class.Config(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)})
+        for layer in layers
+    ]
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """torchtitan 0.3.0's ``Embedding`` split by vocabulary rows over a ``tp`` mesh, its output
+    reduced into the sequence-parallel shard (``models.tensor_parallel``): the module computes
+    its rows' part itself once given its ``tp_group`` (torch's ``RowwiseParallel`` computes on
+    DTensors, which this module's forward unwraps)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_group = device_mesh.get_group()
+
+        def rows(name: str, part: nn.Module, mesh: DeviceMesh) -> None:
+            if part is module:
+                weight = distribute_tensor(part.weight, mesh, [Shard(0)])
+                part.register_parameter("weight", nn.Parameter(weight))
+
+        def reduced(part: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+            partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
+            return partial.redistribute(mesh, [Shard(1)])
+
+        return distribute_module(module, device_mesh, rows, output_fn=reduced)
 
 
 class Decoder030(LongContextModel):
-    """The long-context forward on a 0.3.0 ``Decoder``: RoPE from the attention's ``rope`` part,
-    blocks called as ``block(x, attention_masks, positions)``, the output layer ``lm_head``."""
+    """The long-context forward on a 0.3.0 ``Decoder``: RoPE frequencies from the attention's
+    ``rope`` part, blocks called as ``block(x, attention_masks, positions, rope=table)`` (the
+    families' blocks, ``with_block_class``), the output layer ``lm_head``."""
 
     model_args: DecoderArgs
     OUTPUT_WEIGHT: ClassVar[str] = OUTPUT_WEIGHT
@@ -178,9 +193,9 @@ class Decoder030(LongContextModel):
         return next(iter(self.layers.values())).attention.rope.cache
 
     def block_arguments(self, rope, attention_masks, positions) -> tuple[tuple, dict]:
-        # No RoPE argument in 0.3.0's blocks: a shard's table (from plan.shard_rope) rides in
-        # the positions slot, which the CP style tells apart (style._cp_forward_rope_in_module).
-        return (attention_masks, rope if is_rope_table(rope) else positions), {}
+        # 0.3.0's blocks take no RoPE argument; the families' blocks (``with_block_class``) hand
+        # this shard's table to the attention by name.
+        return (attention_masks, positions), {"rope": rope}
 
     def reset_rope(self, device: torch.device) -> None:
         """One tensor of frequencies on ``device``, shared by every layer's ``rope`` (they are

@@ -6,8 +6,9 @@ initialisers (``_build_llama3_layers``: per-layer depth-scaled inits) from ``Lla
 when ``head_dim`` differs from dim // n_heads (the UPipe paper's 32B shape, checkpoints stating
 one) is each layer's attention rebuilt by torchtitan's ``make_gqa_config`` with that head_dim and
 the same inits. Separate ``wq``/``wk``/``wv`` (torchtitan's flavors fuse them; the styles take
-both, ``parallel.attention_kinds``), so checkpoints name the weights as Hugging Face's adapter
-does. Each layer's ``rope`` holds the float64 inverse frequencies (``InterleavedFrequencyRoPE``).
+both, ``models.tt030.attention``), so checkpoints name the weights as Hugging Face's adapter
+does. Each layer's ``rope`` holds the float64 inverse frequencies (``InterleavedFrequencyRoPE``),
+and its blocks (``Llama3Block``) hand the attention this shard's RoPE table by name.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torchtitan.models.llama3 import (
     _output_linear_init,
     llama3_configs,
 )
-from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
@@ -44,10 +45,11 @@ from upipe_dtensor.models.tt030 import (
     DecoderArgs,
     InterleavedFrequencyRoPE,
     RoPEScalingArgs,
-    gqa_kind,
     scaling_of,
+    with_block_class,
     with_norm_eps,
 )
+from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
 
 __all__ = [
     "FLAVORS",
@@ -60,7 +62,7 @@ __all__ = [
 
 ATTENTION_CLASS = GQAttention
 """torchtitan's attention module of the family, which the CP styles replace (Qwen3's too)."""
-ATTENTION_KIND = gqa_kind
+ATTENTION_ADAPTER = GQA_ADAPTER
 MLP_CLASS = FeedForward
 HF_ROPE_PERMUTED = ("attention.qkv_linear.wq.weight", "attention.qkv_linear.wk.weight")
 """The weights Hugging Face stores permuted for its RoPE pairing (torchtitan's adapter permutes
@@ -113,6 +115,7 @@ FLAVORS: dict[str, Llama3Args] = {
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, rope_theta=500000
     ),
     "8B": _torchtitan_flavor("8B"),
+    "70B": _torchtitan_flavor("70B"),
     # The UPipe paper's "32B": 64 layers, dim 5120, 64 query / 8 KV heads of 128, FFN 25600.
     "32B": Llama3Args(
         dim=5120,
@@ -126,6 +129,28 @@ FLAVORS: dict[str, Llama3Args] = {
         vocab_size=128256,
     ),
 }
+
+
+class Llama3Block(Llama3TransformerBlock):
+    """torchtitan's Llama3 block, handing its attention this shard's RoPE table by name: 0.3.0's
+    blocks pass the attention only masks and positions, and the table is computed once per
+    forward (``models.long_context``), not once per layer. Its forward is torchtitan's
+    otherwise."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Llama3TransformerBlock.Config):
+        pass
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_masks: Any,
+        positions: torch.Tensor | None = None,
+        *,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), attention_masks, positions, rope=rope)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 def model_config(args: Llama3Args) -> Llama3Model.Config:
@@ -167,7 +192,7 @@ def model_config(args: Llama3Args) -> Llama3Model.Config:
             out_features=args.vocab_size,
             param_init=_output_linear_init(args.dim),
         ),
-        layers=layers,
+        layers=with_block_class(layers, Llama3Block),
     )
     return with_norm_eps(config, args.norm_eps)
 

@@ -30,7 +30,7 @@ from torchtitan.models.qwen3 import (
     _qwen3_norm,
     qwen3_configs,
 )
-from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
@@ -38,13 +38,14 @@ from upipe_dtensor.models.tt030 import (
     Decoder030,
     DecoderArgs,
     HalfFrequencyRoPE,
-    gqa_kind,
+    with_block_class,
     with_norm_eps,
 )
+from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
 
 ATTENTION_CLASS = GQAttention
 """torchtitan's attention module of the family, which the CP styles replace (Llama3's too)."""
-ATTENTION_KIND = gqa_kind
+ATTENTION_ADAPTER = GQA_ADAPTER
 MLP_CLASS = FeedForward
 HF_ROPE_PERMUTED: tuple[str, ...] = ()
 """Qwen3's Hugging Face weights need no RoPE permutation."""
@@ -95,6 +96,27 @@ FLAVORS: dict[str, Qwen3Args] = {
 """torchtitan's dense Qwen3 flavors (0.6B-4B untied here, see ``_torchtitan_flavor``)."""
 
 
+class Qwen3Block(Qwen3TransformerBlock):
+    """torchtitan's Qwen3 block, handing its attention this shard's RoPE table by name (as
+    ``llama3.Llama3Block``); its forward is torchtitan's otherwise."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Qwen3TransformerBlock.Config):
+        pass
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_masks: Any,
+        positions: torch.Tensor | None = None,
+        *,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), attention_masks, positions, rope=rope)
+        mlp = self.moe if self.moe_enabled else self.feed_forward
+        return x + mlp(self.ffn_norm(x))
+
+
 def model_config(args: Qwen3Args) -> Qwen3Model.Config:
     """torchtitan's ``Qwen3Model.Config`` of ``args``, by torchtitan's builders and inits."""
     config = Qwen3Model.Config(
@@ -107,16 +129,19 @@ def model_config(args: Qwen3Args) -> Qwen3Model.Config:
         lm_head=Linear.Config(
             in_features=args.dim, out_features=args.vocab_size, param_init=_LINEAR_INIT
         ),
-        layers=_build_qwen3_layers(
-            n_layers=args.n_layers,
-            dim=args.dim,
-            n_heads=args.n_heads,
-            n_kv_heads=args.n_kv_heads or args.n_heads,
-            head_dim=args.resolved_head_dim,
-            hidden_dim=args.resolved_ffn_dim,
-            fuse_qkv=False,
-            attn_backend="flex",
-            rope=args.rope_config(HalfFrequencyRoPE),
+        layers=with_block_class(
+            _build_qwen3_layers(
+                n_layers=args.n_layers,
+                dim=args.dim,
+                n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads or args.n_heads,
+                head_dim=args.resolved_head_dim,
+                hidden_dim=args.resolved_ffn_dim,
+                fuse_qkv=False,
+                attn_backend="flex",
+                rope=args.rope_config(HalfFrequencyRoPE),
+            ),
+            Qwen3Block,
         ),
     )
     return with_norm_eps(config, args.norm_eps)
