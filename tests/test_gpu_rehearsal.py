@@ -327,7 +327,7 @@ def test_gpu_check_prints_its_whole_table_when_a_backend_fails(monkeypatch) -> N
         made = make_styles(cp, seq_len, "sdpa", device_type, two_d)
         if backend == "failing":
             for style, _ in made.values():
-                style._attend = _raise_kernel_error
+                style._op = _raise_kernel_error
         return made
 
     monkeypatch.setattr(gpu_check, "_styles", styles)

@@ -98,6 +98,7 @@ def test_a_registered_style_and_its_option_run_everywhere_without_other_edits(to
     setup = types.SimpleNamespace(
         config=config,
         args=types.SimpleNamespace(n_heads=8, n_kv_heads=4),
+        tp=1,
         attention_backend="sdpa",
         kernel_device=None,
         host_device=torch.device("cpu"),
