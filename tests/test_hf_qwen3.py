@@ -13,11 +13,12 @@ import torch.distributed as dist
 from harness import gather_sequence, rel_err, run_on_ranks
 from hf_tiny import SEQ_LEN, random_tokens, safetensors_weights, save_with_random_norms
 from test_hf import _job as hf_job
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig
 
 from upipe_dtensor import convert
 from upipe_dtensor.commands.evaluate import position_loss_sums
 from upipe_dtensor.config import ConfigError, check_job
+from upipe_dtensor.models.hf_config import args_from_hf
 from upipe_dtensor.train.build import build_parallel_model, load_initial_weights
 
 pytestmark = pytest.mark.e2e
@@ -122,3 +123,21 @@ def test_a_qwen3_folder_under_the_llama3_family_names_the_fix(
     config = _job(tmp_path, qwen3_folder, "--model.name", "llama3")
     with pytest.raises(ConfigError, match=r"is a qwen3 model .* set \[model\] name = 'qwen3'"):
         check_job(config, world_size=2)
+
+
+def test_a_mixture_of_experts_config_relabelled_dense_is_refused_naming_the_field() -> None:
+    """transformers' own Qwen3-MoE config.json, relabelled ``qwen3``, would otherwise load as a
+    dense Qwen3 with its experts dropped; the dense configs of both families still load."""
+    moe = Qwen3MoeConfig(num_hidden_layers=2).to_dict() | {"model_type": "qwen3"}
+    with pytest.raises(ValueError, match=r"num_local_experts = 128 configures mixture of experts"):
+        args_from_hf(moe, "moe/config.json")
+    published = {  # the fields Qwen3-30B-A3B's config.json publishes them by
+        key: value for key, value in moe.items() if key != "num_local_experts"
+    } | {"num_experts": 128}
+    with pytest.raises(ValueError, match=r"num_experts = 128 configures .*qwen3_moe"):
+        args_from_hf(published, "moe/config.json")
+    sliding = Qwen3Config(layer_types=["full_attention", "sliding_attention"], num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"layer_types has \['sliding_attention'\]"):
+        args_from_hf(sliding.to_dict(), "sliding/config.json")
+    for dense in (Qwen3Config(num_hidden_layers=3), LlamaConfig(num_hidden_layers=3)):
+        assert args_from_hf(dense.to_dict(), "dense/config.json").n_layers == 3

@@ -50,8 +50,40 @@ def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RoPEScalin
     )
 
 
+_EXPERTS = "mixture of experts (model_type qwen3_moe, qwen2_moe, mixtral, deepseek_v3)"
+_LATENT = "multi-head latent attention (model_type deepseek_v3)"
+UNREAD_FIELDS: dict[str, str] = {
+    "num_experts": _EXPERTS,  # as the Qwen-MoE checkpoints publish it
+    "num_local_experts": _EXPERTS,  # as transformers 5 writes every MoE config
+    "n_routed_experts": _EXPERTS,
+    "num_experts_per_tok": _EXPERTS,
+    "moe_intermediate_size": _EXPERTS,
+    "q_lora_rank": _LATENT,
+    "kv_lora_rank": _LATENT,
+}
+"""config.json fields that no registered family reads, and the Hugging Face model types that do.
+Each changes the model's numbers, so a config carrying one (say a Qwen3-MoE ``config.json``
+relabelled ``model_type = "qwen3"``) would otherwise load silently as a dense model with its
+experts or latent projections dropped. A field present but empty (0, null, []) means off."""
+
+
 def check_supported(config: dict[str, Any], supported: dict[str, Any], source: str) -> None:
-    """ValueError for a config.json field whose value the family's model does not implement."""
+    """ValueError for a config.json field whose value the family's model does not implement:
+    one of ``supported``'s with another value, one of ``UNREAD_FIELDS`` set, or a layer kind
+    other than full attention in ``layer_types`` (transformers' per-layer sliding windows)."""
+    for key, readers in UNREAD_FIELDS.items():
+        if config.get(key):
+            raise ValueError(
+                f"{source}: {key} = {config[key]!r} configures {readers}, which this project "
+                f"does not implement; loading it as model_type {config.get('model_type')!r} "
+                f"would drop it: use a dense Llama3 or Qwen3 checkpoint"
+            )
+    other_layers = sorted(set(config.get("layer_types") or ()) - {"full_attention"})
+    if other_layers:
+        raise ValueError(
+            f"{source}: layer_types has {other_layers}; only full attention in every layer is "
+            f"implemented: use a checkpoint without sliding-window layers"
+        )
     for key, value in supported.items():
         if config.get(key, value) != value:
             raise ValueError(f"{source}: {key} = {config[key]!r} is not supported (only {value!r})")
