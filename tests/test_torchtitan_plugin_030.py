@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from unittest import mock
@@ -272,6 +273,19 @@ def test_the_config_functions_are_torchtitans_with_the_upipe_section() -> None:
     attention = config.model_spec.model.layers[0].attention
     style = make_cp_style(attention, config.upipe, 8, config.training.seq_len)
     assert type(style).__name__ == "UPipeAttention" and style.options.heads_per_stage == 16
+
+
+def test_the_config_functions_docs_name_exist() -> None:
+    """Every config function docs/torchtitan.md's 0.3.0 section names (a backticked name of a
+    registered family, or a ``--config`` value) is one that torchtitan 0.3.0 registers."""
+    from upipe_dtensor.integrations.torchtitan.tt030 import upipe_config_functions
+
+    doc = (ROOT / "docs" / "torchtitan.md").read_text()
+    section = doc.split("\n## torchtitan 0.3.0\n")[1].split("\n## ")[0]
+    named = set(re.findall(r"`((?:llama3|qwen3)_\w+)`", section))
+    named |= set(re.findall(r"--config[ =](\w+)", section)) - {"my_job"}
+    assert len(named) >= 8 and "qwen3_8b" not in named
+    assert named <= set(upipe_config_functions()), named - set(upipe_config_functions())
 
 
 def test_other_spmd_backends_are_refused_and_tensor_parallel_heads_checked() -> None:
