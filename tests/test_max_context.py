@@ -253,17 +253,16 @@ def test_objective_speed_keeps_attention_in_as_many_blocks_as_fit() -> None:
 
 def test_knobs_follow_the_layout() -> None:
     """Which settings apply where, and that a chosen chunk count is a valid configuration."""
-    config = parse_args(
-        [
-            "--config",
-            str(REPO / "train_configs/debug_model.toml"),
-            "--training.seq_len",
-            "8192",
-            *CHECKPOINTED,
-            "--memory.chunked_loss",
-            "true",
-        ]
-    )
+    config_args = [
+        "--config",
+        str(REPO / "train_configs/debug_model.toml"),
+        "--training.seq_len",
+        "8192",
+        *CHECKPOINTED,
+        "--memory.chunked_loss",
+        "true",
+    ]
+    config = parse_args(config_args)
     one_node = knobs(on_world(config, 2, gpus_per_node=8))
     assert list(one_node) == list(KNOB_NAMES)
     chunks, heads = one_node["sequence_chunks"], one_node["heads_per_stage"]
@@ -290,6 +289,14 @@ def test_knobs_follow_the_layout() -> None:
         and two_nodes.parallelism.context_parallel_degree == 4
     )
     assert isinstance(knobs(two_nodes)["sequence_chunks"], str)  # no chunks on a ring across nodes
+    tp2 = on_world(
+        parse_args([*config_args, "--parallelism.tensor_parallel_degree", "2"]), 4, gpus_per_node=8
+    )
+    assert (tp2.parallelism.context_parallel_degree, tp2.parallelism.tensor_parallel_degree) == (
+        2,
+        2,
+    )
+    assert knobs(tp2)["heads_per_stage"].values == (2, 4)  # U among a tp rank's 4 of the 8 heads
     ulysses = knobs(
         on_world(
             parse_args(

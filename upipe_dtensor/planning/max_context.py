@@ -226,7 +226,10 @@ def knobs(config: JobConfig) -> dict[str, Knob | str]:
         "cpu_offload = true"
     )
     if "heads_per_stage" not in found:
-        valid = valid_heads_per_stage(args.n_heads, args.n_kv_heads or args.n_heads, heads_axis)
+        tp = parallelism.tensor_parallel_degree  # U counts the heads of one tensor-parallel rank
+        valid = valid_heads_per_stage(
+            args.n_heads // tp, (args.n_kv_heads or args.n_heads) // tp, heads_axis
+        )
         found["heads_per_stage"] = _setting(
             "heads_per_stage", tuple(valid), "parallelism.heads_per_stage", lambda u: f"U={u}"
         )
