@@ -150,6 +150,9 @@ def test_planner_json_has_the_speed_fields() -> None:
     fast, slow = report["step_time_range_s"]
     assert low < report["tokens_per_s_per_gpu"] < high
     assert (low, high) == pytest.approx((tokens / slow, tokens / fast))
+    _, tp2 = _debug_plan("--parallelism.tensor_parallel_degree", "2")  # the 2 cp ranks x tp 2
+    speed = tp2.as_dict()
+    assert speed["tokens_per_s_per_gpu"] == pytest.approx(tokens / 2 / speed["step_time_s"])
 
 
 def _shape(**changes) -> StepShape:

@@ -735,10 +735,10 @@ def _step_shape(trainer: Trainer, config: JobConfig, target: str, n_layers: int)
     _, dense_flops_per_token = args.get_nparams_and_flops(model, 0)
     return StepShape(
         backend=trainer.setup.attention_backend if target == "cuda" else "cpu",
-        tokens_per_gpu=training.local_batch_size
+        tokens_per_gpu=training.local_batch_size  # a tp group's GPUs share their cp shard
         * training.gradient_accumulation_steps
         * training.seq_len
-        // parallelism.context_parallel_degree,
+        // (parallelism.context_parallel_degree * parallelism.tensor_parallel_degree),
         local_params=sum(_local_bytes(p) // p.element_size() for p in model.parameters()),
         optimizer_on_host=training.enable_cpu_offload,
         all_gathers_per_step=2 if parallelism.fsdp_reshard_after_forward else 1,
