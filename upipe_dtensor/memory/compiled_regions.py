@@ -37,6 +37,7 @@ from torch import nn
 
 from upipe_dtensor.modes.rehearsal import around_compiled_calls
 
+
 def engine_holds_gradients() -> bool:
     """Whether this torch's engine holds a compiled backward's incoming gradients until the
     backward returns (torch 2.11; 2.13 hands them boxed, ``boxed_grads_call``)."""
