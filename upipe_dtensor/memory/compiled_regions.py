@@ -18,14 +18,17 @@ two autograd nodes: the attention half ``h = x + attention(attention_norm(x))`` 
 ``h + mlp(ffn_norm(h))``. The MLP half's backward returns the gradient of ``h`` and the engine
 frees the block's output gradient then, where 2.13's graph frees it; the attention half's
 backward holds the gradient of ``h``, which 2.13's graph also keeps to its end (the residual sum).
-Each region saves what the whole-block graph saved of it (the partitioner has no choice across
-the opaque norm, attention and MLP ops), so both torches keep the same tensors. Where the engine
-takes gradients boxed, the block compiles whole, as before.
+With the recipes' memory stack (tiled norms and MLP: opaque ops the partitioner saves around and
+never recomputes) each region saves what the whole-block graph saved of it, so both torches keep
+the same tensors (the 8B, 32B and Qwen3 recipes plan the same on both). Where the engine takes
+gradients boxed, the block compiles whole, as before.
 
 Every family's block has this shape (torchtitan 0.2.2's and 0.3.0's Llama3 and Qwen3 blocks: the
 attention called with the block's arguments after ``x``; Qwen3's MLP the MoE where enabled), and
 the region forward is a subclass of the block's own class swapped in (as ``memory.tiled_mlp``
-does), so dynamo guards every block by the shared type and parameter names do not change.
+does): parameter names do not change, and the regions are module-level functions that take the
+block as an argument, so dynamo compiles each once for every block (guarded by the shared type),
+not once per block past its recompile limit.
 """
 
 from __future__ import annotations
