@@ -24,6 +24,7 @@ from upipe_dtensor.memory.compiled_regions import compile_block, engine_holds_gr
 from upipe_dtensor.runtime.torch_private import (
     TorchDispatchMode,
     aot_autograd,
+    counters,
     dynamo_reset,
     partition_fn,
 )
@@ -110,17 +111,21 @@ def test_a_whole_compiled_block_holds_it_where_the_engine_holds_gradients() -> N
 
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_regions_compute_the_block(family: str) -> None:
-    """Compiled as regions, every block gives the uncompiled model's loss and gradients."""
+    """Compiled as regions, every block gives the uncompiled model's loss and gradients, under
+    the same parameter names; the two regions compile once for all blocks (past dynamo's
+    recompile limit, 8, a job's blocks would otherwise run eagerly)."""
     dynamo_reset()
-    plain, regions = (MODELS[family](4, 2, SEQ, n_layers=1) for _ in range(2))
+    plain, regions = (MODELS[family](4, 2, SEQ, n_layers=3) for _ in range(2))
     for block in regions.layers.values():
         compile_block(block, "aot_eager", regions=True)
     tokens = torch.randint(0, 64, (2, SEQ))
     losses = []
     for model in (plain, regions):
+        graphs = counters["stats"]["unique_graphs"]
         loss = model(tokens).float().pow(2).mean()
         loss.backward()
         losses.append(loss.detach())
+    assert counters["stats"]["unique_graphs"] - graphs == 2
     assert rel_err(losses[1], losses[0]) < 1e-6
     for (name, a), b in zip(plain.named_parameters(), regions.parameters()):
         assert rel_err(b.grad, a.grad) < 1e-5, name
