@@ -261,7 +261,8 @@ class GpuRehearsal:
         the torch-function modes it finds into the graph it compiles (and cannot trace this
         one), while the dispatch mode steps aside as the tracker does. What a compiled block
         reads or copies on the host is then not seen (docs/gpu.md lists it); the compiled tile
-        kernels are run the same way (``step``)."""
+        kernels, and the regions of blocks compiled as two (``memory.compiled_regions``, torch
+        2.11), are run the same way (``step``)."""
         for block in model.layers.values():
             inner = getattr(block, "_checkpoint_wrapped_module", block)
             compiled = getattr(inner, "_compiled_call_impl", None)

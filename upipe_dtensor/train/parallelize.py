@@ -27,6 +27,7 @@ from upipe_dtensor.config import JobConfig
 from upipe_dtensor.config.schema import Parallelism
 from upipe_dtensor.kernels.fused import use_backend as use_fused_backend
 from upipe_dtensor.kernels.inductor import register_inductor_fallbacks
+from upipe_dtensor.memory.compiled_regions import compile_block
 from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
@@ -132,11 +133,13 @@ def apply_compile(model: nn.Module, config: JobConfig) -> None:
     blocks' forwards are classes, not per-block patched functions, so dynamo guards pass for
     each block after the first (``memory.tiled_mlp``). Shapes are static
     (``dynamic=False``): a training job has one, and the styles' layout arithmetic is plain
-    Python on the sequence length."""
+    Python on the sequence length. Where torch's engine holds a compiled backward's gradients
+    until it returns (torch 2.11), a block compiles as two regions, so it keeps the tensors it
+    keeps on 2.13 (``memory.compiled_regions``)."""
     if config.compile.backend == "inductor":
         register_inductor_fallbacks()
     for block in model.layers.values():
-        block.compile(fullgraph=True, dynamic=False, backend=config.compile.backend)
+        compile_block(block, config.compile.backend)
 
 
 def compile_report(backend: str) -> str:
