@@ -10,8 +10,8 @@ True)``) records no memory events at all. The trace sits below torch instead: it
 takes buffers from ``posix_memalign`` and returns them with ``free``, and the library logs both,
 with sizes, on every thread, in the order they happen.
 
-Use: ``preload()`` (compiles the library with ``cc`` into a temporary folder once per process
-and names it in ``LD_PRELOAD`` for the processes started afterwards); in such a process,
+Use: ``with preloaded(): ...`` (compiles the library with ``cc`` into a temporary folder once
+per process and names it in ``LD_PRELOAD`` for the processes started inside); in such a process,
 ``with traced() as trace: ...`` records the calls inside, and ``peak(trace.records)`` is the
 most bytes live at once above the level at the start.
 """
@@ -59,11 +59,19 @@ def library() -> str:
     return path
 
 
-def preload() -> None:
-    """Load the library into every process started from here on (``LD_PRELOAD``)."""
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    if library() not in preloaded.split(":"):
-        os.environ["LD_PRELOAD"] = ":".join(p for p in (library(), preloaded) if p)
+@contextmanager
+def preloaded() -> Iterator[None]:
+    """Load the library into every process started inside the block (``LD_PRELOAD``); the
+    processes started after it, e.g. other tests', run without it."""
+    before = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = ":".join(p for p in (library(), before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LD_PRELOAD"]
+        else:
+            os.environ["LD_PRELOAD"] = before
 
 
 def _loaded() -> ctypes.CDLL:
@@ -71,7 +79,7 @@ def _loaded() -> ctypes.CDLL:
     (loaded later, it would not see the frees of blocks allocated before)."""
     handle = ctypes.CDLL(None)
     if not hasattr(handle, "alloc_trace_start"):
-        raise RuntimeError("alloc_trace: start the process after alloc_trace.preload()")
+        raise RuntimeError("alloc_trace: start the process inside alloc_trace.preloaded()")
     handle.alloc_trace_position.restype = ctypes.c_uint64
     handle.alloc_trace_overflowed.restype = ctypes.c_uint64
     handle.alloc_trace_records.restype = ctypes.POINTER(_Record)
