@@ -5,7 +5,8 @@
    wraps those calls (and memalign, aligned_alloc, and malloc/calloc/realloc of blocks of at
    least MALLOC_MIN bytes: below that, Python objects and arena chunks), keeps every live
    block's size from the start of the process, and while tracing appends one record per
-   allocation (+bytes) and per free of a known block (-bytes) in the order they happen: a free
+   allocation (+bytes) and per free of a known block (-bytes), with the thread and whether the
+   block came from an aligned allocation (torch's) or malloc, in the order they happen: a free
    is logged before the block goes back to libc, an allocation after libc hands it out, both
    under one lock, so the log's order is the order of the address's lives. */
 #define _GNU_SOURCE
@@ -29,8 +30,8 @@ extern void __libc_free(void *);
 #define SLOTS (1u << SLOT_BITS)
 #define RECORDS (1u << 24)
 
-typedef struct { uintptr_t ptr; size_t size; } slot_t;
-typedef struct { int64_t bytes; uint64_t ptr; uint64_t tid; } record_t;
+typedef struct { uintptr_t ptr; size_t size; uint32_t aligned; } slot_t;
+typedef struct { int64_t bytes; uint64_t ptr; uint32_t tid, aligned; } record_t;
 
 static slot_t *slots;
 static record_t *records;
@@ -49,21 +50,21 @@ static void *map(size_t bytes) {
 
 static uint32_t home(uintptr_t ptr) { return (uint32_t)((ptr >> 4) * 0x9E3779B97F4A7C15ull >> (64 - SLOT_BITS)); }
 
-static void append(int64_t bytes, uintptr_t ptr) { /* under the lock */
+static void append(int64_t bytes, uintptr_t ptr, uint32_t aligned) { /* under the lock */
     if (!tracing) return;
     if (count == RECORDS) { overflow = 1; return; }
-    records[count++] = (record_t){bytes, ptr, (uint64_t)syscall(SYS_gettid)};
+    records[count++] = (record_t){bytes, ptr, (uint32_t)syscall(SYS_gettid), aligned};
 }
 
-static void added(void *p, size_t size) {
+static void added(void *p, size_t size, uint32_t aligned) {
     if (!p) return;
     lock();
     if (!slots) { slots = map(SLOTS * sizeof(slot_t)); records = map(RECORDS * sizeof(record_t)); }
     if (++live == SLOTS) abort();
     uint32_t i = home((uintptr_t)p);
     while (slots[i].ptr) i = (i + 1) & (SLOTS - 1);
-    slots[i] = (slot_t){(uintptr_t)p, size};
-    append((int64_t)size, (uintptr_t)p);
+    slots[i] = (slot_t){(uintptr_t)p, size, aligned};
+    append((int64_t)size, (uintptr_t)p, aligned);
     unlock();
 }
 
@@ -73,7 +74,7 @@ static void removed(void *p) { /* before the block goes back to libc */
     uint32_t i = home((uintptr_t)p);
     while (slots[i].ptr && slots[i].ptr != (uintptr_t)p) i = (i + 1) & (SLOTS - 1);
     if (slots[i].ptr) {
-        append(-(int64_t)slots[i].size, (uintptr_t)p);
+        append(-(int64_t)slots[i].size, (uintptr_t)p, slots[i].aligned);
         /* backward-shift deletion keeps every probe chain unbroken without tombstones */
         for (uint32_t j = (i + 1) & (SLOTS - 1); slots[j].ptr; j = (j + 1) & (SLOTS - 1)) {
             uint32_t h = home(slots[j].ptr);
@@ -89,30 +90,35 @@ int posix_memalign(void **out, size_t alignment, size_t size) {
     if (alignment % sizeof(void *) || (alignment & (alignment - 1))) return EINVAL;
     void *p = __libc_memalign(alignment, size);
     if (!p) return ENOMEM;
-    added(p, size);
+    added(p, size, 1);
     *out = p;
     return 0;
 }
 
-void *memalign(size_t alignment, size_t size) { void *p = __libc_memalign(alignment, size); added(p, size); return p; }
+void *memalign(size_t alignment, size_t size) {
+    void *p = __libc_memalign(alignment, size);
+    added(p, size, 1);
+    return p;
+}
+
 void *aligned_alloc(size_t alignment, size_t size) { return memalign(alignment, size); }
 
 void *malloc(size_t size) {
     void *p = __libc_malloc(size);
-    if (size >= MALLOC_MIN) added(p, size);
+    if (size >= MALLOC_MIN) added(p, size, 0);
     return p;
 }
 
 void *calloc(size_t n, size_t size) {
     void *p = __libc_calloc(n, size);
-    if (n && size && n * size / n == size && n * size >= MALLOC_MIN) added(p, n * size);
+    if (n && size && n * size / n == size && n * size >= MALLOC_MIN) added(p, n * size, 0);
     return p;
 }
 
 void *realloc(void *old, size_t size) {
     removed(old); /* a failed realloc keeps the block, untraced from here on */
     void *p = __libc_realloc(old, size);
-    if (size >= MALLOC_MIN) added(p, size);
+    if (size >= MALLOC_MIN) added(p, size, 0);
     return p;
 }
 

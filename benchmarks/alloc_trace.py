@@ -32,16 +32,24 @@ SOURCE = Path(__file__).with_name("alloc_trace.c")
 
 
 class _Record(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_int64), ("ptr", ctypes.c_uint64), ("tid", ctypes.c_uint64)]
+    _fields_ = [
+        ("bytes", ctypes.c_int64),
+        ("ptr", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("aligned", ctypes.c_uint32),
+    ]
 
 
 @dataclass(frozen=True)
 class Record:
-    """One allocation (+bytes) or free (-bytes) at ``ptr``, on thread ``tid`` (the kernel's)."""
+    """One allocation (+bytes) or free (-bytes) at ``ptr``, on thread ``tid`` (the kernel's id,
+    ``threading.get_native_id``); ``aligned``: the block came from posix_memalign, memalign or
+    aligned_alloc (torch's CPU allocator), else from malloc, calloc or realloc."""
 
     bytes: int
     ptr: int
     tid: int
+    aligned: bool
 
 
 @dataclass
@@ -99,7 +107,8 @@ def traced() -> Iterator[Trace]:
         raise RuntimeError("alloc_trace: the window has more records than the log holds")
     raw = lib.alloc_trace_records()
     trace.records = [
-        Record(raw[i].bytes, raw[i].ptr, raw[i].tid) for i in range(lib.alloc_trace_position())
+        Record(raw[i].bytes, raw[i].ptr, raw[i].tid, bool(raw[i].aligned))
+        for i in range(lib.alloc_trace_position())
     ]
 
 

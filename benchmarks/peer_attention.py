@@ -57,6 +57,7 @@ skipped with one line.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -318,11 +319,19 @@ def _set_frozen(module: nn.Module, frozen: bool) -> None:
         p.requires_grad_(not frozen)
 
 
+def settle() -> None:
+    """Before a window: collect the earlier rows' garbage (reference cycles hold their layers and
+    buffers until Python's collector runs, which could be inside a window, whose frees of them
+    would then lower the layer's peak), then wait for every rank."""
+    gc.collect()
+    dist.barrier()
+
+
 def _peak(layer: Layer, x_shard: Tensor, grad: Tensor, checkpointed: bool) -> tuple[int, Tensor]:
     """(the window's peak bytes, dx) of one forward and backward: every thread's allocations and
     frees (``alloc_trace``: gloo's worker threads free all-to-all buffers)."""
     x = x_shard.clone().requires_grad_()
-    dist.barrier()
+    settle()
     with traced() as trace:
         y = layer(x, checkpointed)
         y.backward(grad)
