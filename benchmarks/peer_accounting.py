@@ -16,7 +16,7 @@ run (issue 57): why an independent harness measured other ratios to DeepSpeed's 
   same call without the profiler.
 
 For DeepSpeed's Ulysses and UPipe (U = C), plain and checkpointed, trainable weights: the peaks
-(max over ranks) and, on the rank with the highest trace peak, every allocation of the window
+(max over ranks) and, on the rank where they differ most, every allocation of the window
 live at one measure's peak but not at all three (size, who allocated it, the threads that
 freed it).
 
@@ -190,7 +190,11 @@ def _rank(rank: int, geometry: Geometry, dtype_name: str, rows: list[dict]) -> l
 
 def report(reports: list[dict]) -> str:
     """Markdown: the peaks (MiB, max over ranks, ratio to the first row's), then per row and
-    mode the differing allocations of the rank with the highest trace peak."""
+    mode the differing allocations of the rank where the measures differ most."""
+
+    def spread(window: dict) -> tuple[int, int]:
+        peaks = [window["peaks"][m] for m in MEASURES]
+        return max(peaks) - min(peaks), window["peaks"]["trace"]
 
     def top(ranks: list[dict], mode: str, measure: str) -> int:
         return max(r[mode]["peaks"][measure] for r in ranks)
@@ -206,16 +210,16 @@ def report(reports: list[dict]) -> str:
             lines.append(f"| {entry['row']} | {mode} | " + " | ".join(cells) + " |")
     for entry in reports:
         for mode in MODES:
-            rank = max(
-                range(len(entry["ranks"])), key=lambda r: entry["ranks"][r][mode]["peaks"]["trace"]
-            )
+            rank = max(range(len(entry["ranks"])), key=lambda r: spread(entry["ranks"][r][mode]))
             window = entry["ranks"][rank][mode]
+            peaks = ", ".join(f"{m} {window['peaks'][m] / MiB:.1f} MiB" for m in MEASURES)
+            heading = f"{entry['row']}, {mode}, rank {rank} ({peaks}): allocations live at the "
+            if not window["listing"]:
+                lines += ["", heading + "peak of each measure: the same"]
+                continue
             lines += [
                 "",
-                f"{entry['row']}, {mode}, rank {rank}: allocations live at the peak of some "
-                "measures but not all ("
-                + ", ".join(f"{m} {window['peaks'][m] / MiB:.1f} MiB" for m in MEASURES)
-                + ")",
+                heading + "peak of some measures but not all",
                 "",
                 "| n x MiB | allocated by | freed on | " + " | ".join(MEASURES) + " |",
                 "|---:|---|---|:-:|:-:|:-:|",
