@@ -17,15 +17,43 @@ DeepSpeed peaks stored below (measured beside it when they were stored). About 7
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import pytest
-from harness import REPO
+from harness import REPO, run_command
 
 pytestmark = pytest.mark.distributed
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 peer_attention = importlib.import_module("peer_attention")
+alloc_trace = importlib.import_module("alloc_trace")
+
+MiB = 2**20
+_FREED_ON_ANOTHER_THREAD = """
+import json, sys, threading, torch
+sys.path.insert(0, "benchmarks")
+import alloc_trace
+box = []
+with alloc_trace.traced() as trace:
+    box.append(torch.empty(4 * 2**20, dtype=torch.uint8))
+    thread = threading.Thread(target=box.clear)
+    thread.start()
+    thread.join()
+me = threading.get_native_id()
+print(json.dumps([(r.bytes, r.tid == me) for r in trace.records if r.aligned]))
+"""
+
+
+def test_the_trace_sees_a_free_on_another_thread() -> None:
+    """The peak's measure counts a buffer until whichever thread frees it: a 4 MiB tensor made
+    on the calling thread and freed on another (as gloo's worker threads free all-to-all
+    buffers, which the profiler never sees free) is logged both times, with its size."""
+    with alloc_trace.preloaded():
+        code, out, err = run_command("-c", _FREED_ON_ANOTHER_THREAD, timeout=60)
+    assert code == 0, err
+    assert json.loads(out) == [[4 * MiB, True], [-4 * MiB, False]]
+
 
 CP = 4
 GEOMETRY = peer_attention.Geometry(n_heads=32, n_kv_heads=8, head_dim=32, seq_len=8192)
