@@ -32,7 +32,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict
 
 import torch.distributed as dist
-from alloc_trace import Record, preloaded, traced
+from alloc_trace import Record, live_at_peak, peak, preloaded, traced
 from live_memory import Allocation, MiB, allocations, on_gloo_ranks, profiler, region
 from peer_attention import (
     DTYPES,
@@ -81,22 +81,6 @@ def _live_at_peak(events: list[Allocation], start: int, end: int) -> tuple[int, 
     return top, at_peak
 
 
-def _trace_at_peak(records: list[Record]) -> tuple[int, list[int]]:
-    """(peak bytes, indices of the allocations live then) of a trace window."""
-    level = top = 0
-    live: dict[int, int] = {}
-    at_peak: list[int] = []
-    for index, record in enumerate(records):
-        level += record.bytes
-        if record.bytes > 0:
-            live[record.ptr] = index
-        else:
-            live.pop(record.ptr, None)
-        if level > top:
-            top, at_peak = level, list(live.values())
-    return top, at_peak
-
-
 def _window(layer: Layer, x_shard: Tensor, grad: Tensor, checkpointed: bool) -> dict:
     """One forward and backward under the profiler and the trace: each measure's peak and the
     allocations live at some measure's peak but not at all (aggregated by size and origin)."""
@@ -115,7 +99,7 @@ def _window(layer: Layer, x_shard: Tensor, grad: Tensor, checkpointed: bool) -> 
     # torch's allocator's blocks only: the profiler's own buffers are malloc'd (the benchmark's
     # figure, ``peer_attention._peak``, comes from a window without the profiler)
     records = [r if r.aligned else Record(0, r.ptr, r.tid, False) for r in trace.records]
-    trace_peak, trace_live = _trace_at_peak(records)
+    trace_peak, trace_live = peak(records), [i for i, _ in live_at_peak(records)]
 
     # One identity per allocation: the profiler's event, matched to the trace's records of the
     # same address and size in order; the trace's other records are other threads' allocations.
