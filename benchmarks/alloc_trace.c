@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sched.h>
+#include <pthread.h>
 #include <unistd.h>
 #include <sys/syscall.h>
 
@@ -37,10 +37,10 @@ static slot_t *slots;
 static record_t *records;
 static uint64_t count, overflow, live;
 static int tracing;
-static volatile int lock_word;
+static pthread_mutex_t mutex = PTHREAD_MUTEX_INITIALIZER; /* a spinlock wastes oversubscribed cores */
 
-static void lock(void) { while (__sync_lock_test_and_set(&lock_word, 1)) sched_yield(); }
-static void unlock(void) { __sync_lock_release(&lock_word); }
+static void lock(void) { pthread_mutex_lock(&mutex); }
+static void unlock(void) { pthread_mutex_unlock(&mutex); }
 
 static void *map(size_t bytes) {
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
