@@ -87,10 +87,14 @@ def _origin(event: _ProfilerEvent, code: re.Pattern[str]) -> tuple[str, int | No
 
 
 def allocations(
-    prof: profile, alive: set[int], code: re.Pattern[str] = CODE_OF_INTEREST
+    prof: profile,
+    alive: set[int],
+    code: re.Pattern[str] = CODE_OF_INTEREST,
+    put_back: bool = True,
 ) -> tuple[list[Allocation], int]:
-    """Every CPU allocation and free in time order, with the frees the profiler missed put back,
-    each allocation labelled by the innermost frame of a file that ``code`` matches.
+    """Every CPU allocation and free in time order, with the frees the profiler missed put back
+    (``put_back``; without: the events as recorded, the calling thread's accounting), each
+    allocation labelled by the innermost frame of a file that ``code`` matches.
 
     The profiler records a free only on a thread where it is active. Gloo's worker thread
     sometimes drops the last reference to an all-to-all buffer (its work object holds them), so
@@ -123,6 +127,8 @@ def allocations(
         allocation = Allocation(time_ns, nbytes, ptr, label)
         unfreed[ptr] = (allocation, frame_end)
         found.append(allocation)
+    if not put_back:
+        return found, 0
     missed += [(a, end, None) for a, end in unfreed.values() if a.ptr not in alive]
     for allocation, frame_end, reuse in missed:
         times = [t for t in (frame_end, reuse) if t is not None]

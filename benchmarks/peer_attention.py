@@ -1,8 +1,11 @@
 """One Llama3 attention layer under DeepSpeed's and yunchang's Ulysses beside this project's
 styles: outputs, gradients, peak memory and time, side by side in one run on CPU + gloo.
 
-The layer is torchtitan's Llama3 ``Attention`` (``wq``, ``wk``, ``wv``, ``wo`` and its RoPE), the
-same weights in every row. The peers' rows keep torchtitan's module as it is and put the peer's
+The layer is the attention of this project's Llama3 (``models.family``'s ``llama3``: torchtitan's
+attention module of the installed generation, 0.2.2's ``Attention`` or 0.3.0's ``GQAttention``,
+with ``wq``, ``wk``, ``wv``, ``wo`` and RoPE frequencies), the same weights in every row. The
+peers' rows compute with that module's projections and RoPE, read through its attention adapter
+(the same code on both generations, as torchtitan's forward computes them), and put the peer's
 Ulysses in place of its local attention (``inner_attention``), with torch SDPA inside (causal,
 GQA by ``enable_gqa``), as a user of that peer runs it:
 
@@ -19,9 +22,9 @@ GQA by ``enable_gqa``), as a user of that peer runs it:
   paper's baseline code path, its ``attn_fn`` set to the same torch SDPA (yunchang's own torch
   kernels run its ring code, its flash-attn kernels need CUDA).
 
-This project's rows apply each registered style to the same module with ``parallelize_module``,
-at the style's defaults (UPipe: U = C, stages in turn), plus UPipe with overlapped stages and at
-U = 2C.
+This project's rows apply each registered style to the same module with ``parallelize_module``
+and call it with the arguments its block passes (``block_arguments``), at the style's defaults
+(UPipe: U = C, stages in turn), plus UPipe with overlapped stages and at U = 2C.
 
 Per row, on C gloo ranks (the peers on contiguous shards, each style on its own layout; outputs
 compared at the same global positions):
@@ -29,8 +32,10 @@ compared at the same global positions):
 * **diff**: the largest difference of y, dx and every weight gradient (summed over ranks) from
   DeepSpeed's, with trainable weights; and of dx with frozen ones;
 * **peak**: the bytes the layer adds above what was live before its forward, over its forward
-  and backward in one window (``live_memory``: the profiler's allocator events, gloo's
-  worker-thread frees put back), max over ranks. **plain**: autograd keeps what the layer saves;
+  and backward in one window, max over ranks: every thread's allocations and frees, from an
+  allocation trace (``alloc_trace``: the ranks run with it in ``LD_PRELOAD``), since gloo's
+  worker threads free all-to-all buffers that the profiler's allocator events never see free
+  (``peer_accounting.py`` compares the measures). **plain**: autograd keeps what the layer saves;
   **ckpt**: the layer under ``torch.utils.checkpoint`` (non-reentrant), as every long-context
   recipe runs its blocks. **trainable** weights: the window ends holding dwq, dwk, dwv and dwo;
   **frozen** (``requires_grad_(False)``): activation memory alone, what grows with the context
@@ -52,6 +57,7 @@ skipped with one line.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -65,26 +71,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from live_memory import (
-    MiB,
-    allocations,
-    check_tracker,
-    on_gloo_ranks,
-    profiler,
-    region,
-    region_memory,
-)
+from alloc_trace import peak, preloaded, traced
+from live_memory import MiB, on_gloo_ranks
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
-from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import Attention, precompute_freqs_cis
 
+from upipe_dtensor.kernels.rope import rope_table
+from upipe_dtensor.models import get_family, init_sharded_weights
 from upipe_dtensor.parallel import registry
+from upipe_dtensor.parallel.attention_interface import attention_adapter
+from upipe_dtensor.runtime.parity import cast_parameters
 
-LAYER = "bench::layer"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODES = {  # name -> (checkpointed, frozen weights)
     "plain": (False, False),
@@ -174,16 +173,35 @@ def local_sdpa(q: Tensor, k: Tensor, v: Tensor, *_, **__) -> Tensor:
     return out.transpose(1, 2)
 
 
-class PeerInnerAttention(nn.Module):
-    """torchtitan's ``inner_attention`` slot, (B, heads, S/C, d) q, k, v -> the output in that
-    layout, filled by a peer's Ulysses, which takes and returns (B, S/C, heads, d)."""
+def rotate(x: Tensor, table: Tensor) -> Tensor:
+    """RoPE of (B, S, heads, d) ``x`` by a (S, d/2, 2) table of (cos, sin), interleaved pairs, as
+    torchtitan's Llama3 applies it (a complex product, in float32)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * torch.view_as_complex(table)[:, None]).flatten(3).type_as(x)
 
-    def __init__(self, ulysses: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+
+class PeerAttention(nn.Module):
+    """This project's attention module with a peer's Ulysses as its local attention: the
+    module's own ``wq``, ``wk``, ``wv``, ``wo`` and RoPE frequencies, read through its adapter
+    (``parallel.attention_interface``), which gives them on either torchtitan generation, and
+    computed as torchtitan's forward does; the peer takes and returns (B, S/C, heads, d)."""
+
+    def __init__(
+        self,
+        attention: nn.Module,
+        ulysses: Callable[[Tensor, Tensor, Tensor], Tensor],
+        frequencies: Tensor,
+    ) -> None:
         super().__init__()
-        self.ulysses = ulysses
+        self.attention, self.ulysses, self.frequencies = attention, ulysses, frequencies
+        self.head_dim = attention_adapter(attention).layer(attention).head_dim
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, **_) -> Tensor:
-        return self.ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        weights = attention_adapter(self.attention).weights(self.attention)
+        table = rope_table(self.frequencies, positions)
+        q, k, v = (F.linear(x, w).unflatten(-1, (-1, self.head_dim)) for w in weights.qkv)
+        out = self.ulysses(rotate(q, table), rotate(k, table), v)
+        return F.linear(out.flatten(2), weights.wo)
 
 
 PEER_MODULES = {"deepspeed": "deepspeed.sequence.layer", "yunchang": "yunchang"}
@@ -232,52 +250,68 @@ def peer_ulysses(peer: str, group: dist.ProcessGroup) -> Callable[[Tensor, Tenso
 # --- one row -----------------------------------------------------------------------------------
 
 
-def build_attention(geometry: Geometry, dtype: torch.dtype) -> Attention:
-    """torchtitan's Llama3 attention, the same weights on every rank and in every row."""
-    args = TransformerModelArgs(
+def build_attention(
+    geometry: Geometry, dtype: torch.dtype
+) -> tuple[nn.Module, Tensor, tuple, dict[str, Any]]:
+    """The attention layer of a one-block Llama3 of this project's ``llama3`` family (its model
+    class on the installed torchtitan generation, an FFN of 64 to keep it small) with
+    torchtitan's initial weights, the same on every rank and in every row; its RoPE frequencies
+    (``rope_frequencies``); and the arguments after ``x`` its block passes it
+    (``block_arguments``: each layer derives its RoPE rows from the frequencies; no mask, no
+    positions)."""
+    family = get_family("llama3")
+    args = family.args_class(
         dim=geometry.dim,
+        n_layers=1,
         n_heads=geometry.n_heads,
         n_kv_heads=geometry.n_kv_heads,
+        ffn_dim=64,
+        vocab_size=64,
+        rope_theta=500000.0,
         max_seq_len=geometry.seq_len,
     )
-    torch.manual_seed(0)
-    attention = Attention(args)
-    with torch.no_grad():
-        attention.init_weights(0.02)
-    return attention.to(dtype)
+    model = family.model_class(args)
+    init_sharded_weights(model, seed=0, device=torch.device("cpu"))
+    attention = model.layers["0"].attention
+    cast_parameters(attention, dtype)
+    call_args, call_kwargs = model.block_arguments(None, None, None)
+    return attention, model.rope_frequencies(), call_args, call_kwargs
 
 
 @dataclass
 class Layer:
-    """One row's layer on this rank: the module, the global positions of its shard, and the
-    RoPE arguments it takes: torchtitan's whole table, which every row indexes inside its own
-    forward (the peers' torchtitan module at ``positions``, as torchtitan's CP passes them; the
-    styles at their own layout's), so each row's window holds its shard's rows."""
+    """One row's layer on this rank: the module called, the attention module whose parameters it
+    computes with, the global positions of its shard, and the arguments after ``x``: the peers'
+    module takes its positions (contiguous shards, as torchtitan's CP passes them), the styles
+    what the block passes (they place their shard by their own layout). Each computes its
+    shard's RoPE rows from the frequencies inside its forward, so each row's window holds them."""
 
     module: nn.Module
+    attention: nn.Module
     positions: Tensor
-    freqs: Tensor
-    peer: bool
+    args: tuple
+    kwargs: dict[str, Any]
 
     def __call__(self, x: Tensor, checkpointed: bool) -> Tensor:
-        args = (x, self.freqs, None, self.positions[None] if self.peer else None)
+        peer = isinstance(self.module, PeerAttention)
+        args = (self.positions[: x.shape[1]],) if peer else self.args
         if checkpointed:
-            return checkpoint(self.module, *args, use_reentrant=False)
-        return self.module(*args)
+            return checkpoint(self.module, x, *args, use_reentrant=False, **self.kwargs)
+        return self.module(x, *args, **self.kwargs)
 
 
 def make_layer(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) -> Layer:
     rank, cp = mesh.get_local_rank(), mesh.size()
-    freqs = precompute_freqs_cis(geometry.head_dim, geometry.seq_len, 500000.0)
-    attention = build_attention(geometry, dtype)
+    attention, frequencies, args, kwargs = build_attention(geometry, dtype)
     if row.peer:
-        attention.inner_attention = PeerInnerAttention(peer_ulysses(row.peer, mesh.get_group()))
+        ulysses = peer_ulysses(row.peer, mesh.get_group())
         local = geometry.seq_len // cp
         positions = torch.arange(rank * local, (rank + 1) * local)
-        return Layer(attention, positions, freqs, peer=True)
+        return Layer(PeerAttention(attention, ulysses, frequencies), attention, positions, (), {})
     style = registry.make_style({"cp_style": row.style, **dict(row.options)})
     attention = parallelize_module(attention, mesh, style)
-    return Layer(attention, style.shard_positions(geometry.seq_len, rank, cp), freqs, peer=False)
+    positions = style.shard_positions(geometry.seq_len, rank, cp)
+    return Layer(attention, attention, positions, args, kwargs)
 
 
 def _set_frozen(module: nn.Module, frozen: bool) -> None:
@@ -285,21 +319,30 @@ def _set_frozen(module: nn.Module, frozen: bool) -> None:
         p.requires_grad_(not frozen)
 
 
-def _peak(layer: Layer, x_shard: Tensor, grad: Tensor, checkpointed: bool) -> tuple[int, Tensor]:
-    """(the window's peak bytes, dx) of one profiled forward and backward."""
-    x = x_shard.clone().requires_grad_()
+def settle() -> None:
+    """Before a window: collect the earlier rows' garbage (reference cycles hold their layers and
+    buffers until Python's collector runs, which could be inside a window, whose frees of them
+    would then lower the layer's peak), then wait for every rank."""
+    gc.collect()
     dist.barrier()
-    with profiler() as prof, record_function(LAYER):
+
+
+def _peak(layer: Layer, x_shard: Tensor, grad: Tensor, checkpointed: bool) -> tuple[int, Tensor]:
+    """(the window's peak bytes, dx) of one forward and backward: every thread's allocations and
+    frees (``alloc_trace``: gloo's worker threads free all-to-all buffers)."""
+    x = x_shard.clone().requires_grad_()
+    settle()
+    with traced() as trace:
         y = layer(x, checkpointed)
         y.backward(grad)
-    grads = [p.grad for p in layer.module.parameters() if p.grad is not None]
-    events, _ = allocations(prof, {t.untyped_storage().data_ptr() for t in (y, x.grad, *grads)})
-    return region_memory(events, *region(prof, LAYER)).peak_bytes, x.grad
+    return peak(trace.records), x.grad
 
 
-def measure(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) -> dict:
-    """This rank's numbers of one row: the time and outputs of a plain trainable call, then
-    each mode profiled."""
+def prepare(
+    row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh
+) -> tuple[Layer, Tensor, Tensor]:
+    """One row's layer on this rank, run once on 64 tokens (lazy one-offs), with this rank's
+    shard of the input and of the output gradient (the same global ones in every row)."""
     layer = make_layer(row, geometry, dtype, mesh)
     generator = torch.Generator().manual_seed(1)
     x_all = torch.randn(1, geometry.seq_len, geometry.dim, generator=generator, dtype=dtype)
@@ -307,10 +350,15 @@ def measure(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) 
     x_shard = x_all[:, layer.positions].contiguous()
     grad = grad_all[:, layer.positions].contiguous()
     del x_all, grad_all
-    warm = Layer(layer.module, layer.positions[:64], layer.freqs, layer.peer)
-    warm(x_shard[:, :64].clone().requires_grad_(), False).sum().backward()  # lazy one-offs
+    layer(x_shard[:, :64].clone().requires_grad_(), False).sum().backward()
     layer.module.zero_grad(set_to_none=True)
+    return layer, x_shard, grad
 
+
+def measure(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) -> dict:
+    """This rank's numbers of one row: the time and outputs of a plain trainable call, then
+    each mode's peak."""
+    layer, x_shard, grad = prepare(row, geometry, dtype, mesh)
     x = x_shard.clone().requires_grad_()
     dist.barrier()
     start = time.perf_counter()
@@ -318,7 +366,7 @@ def measure(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) 
     y.backward(grad)
     seconds = time.perf_counter() - start
     outputs = {"y": y.detach(), "dx": x.grad}
-    outputs.update({name: p.grad for name, p in layer.module.named_parameters()})
+    outputs.update({name: p.grad for name, p in layer.attention.named_parameters()})
     del y, x
     layer.module.zero_grad(set_to_none=True)
     peaks = {}
@@ -403,7 +451,8 @@ def _rank_rows(rank: int, geometry: Geometry, dtype_name: str, rows: list[dict])
 def run(geometry: Geometry, rows: list[Row], cp: int, dtype: str) -> list[dict]:
     """Rank 0's reports of every row, on ``cp`` gloo processes; the first row is the reference
     the differences are measured from."""
-    return on_gloo_ranks(cp, _rank_rows, geometry, dtype, [asdict(r) for r in rows])
+    with preloaded():
+        return on_gloo_ranks(cp, _rank_rows, geometry, dtype, [asdict(r) for r in rows])
 
 
 # --- reporting ---------------------------------------------------------------------------------
@@ -458,7 +507,6 @@ def main() -> None:
         with open(args.table) as stored:
             print_tables(json.load(stored))
         return
-    check_tracker()
     peers = []
     for row in PEER_ROWS:
         reason = missing_peer(row.peer)

@@ -147,9 +147,6 @@ def test_the_peer_tables_are_the_stored_report_and_the_readme_quotes_them(capsys
     """docs/memory-stack.md's tables against DeepSpeed's Ulysses are what ``peer_attention.py
     --table`` prints from the stored report, and the README's ratios at Llama3-8B's heads and
     with MHA are that report's."""
-    pytest.importorskip(  # the benchmark measures torchtitan 0.2.2's attention layer
-        "torchtitan.models.llama3.model.args", reason="torchtitan 0.2.2's attention layer"
-    )
     sys.path.insert(0, str(BENCHMARKS))
     # Imported by name, not loaded again from its file: test_peer_memory.py's gloo ranks pickle
     # the functions of the module that sys.modules holds.
