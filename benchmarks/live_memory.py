@@ -169,16 +169,24 @@ def region(prof: profile, name: str) -> tuple[int, int]:
     return max(found, key=lambda span: span[1] - span[0])
 
 
-def region_memory(events: list[Allocation], start: int, end: int) -> RegionMemory:
-    """Replay all events (so frees of earlier allocations count) and measure within [start, end]."""
+def replay(
+    events: list[Allocation], start: int, end: int, keep_reused: bool = False
+) -> tuple[int, int, list[Allocation]]:
+    """Replay all events up to ``end`` (so frees of earlier allocations count): (the peak above
+    the level at ``start``, the level at ``end`` above it, the window's allocations live at the
+    peak). ``keep_reused``: an allocation whose address is taken again without a recorded free
+    stays live (what an accounting that misses some frees sees) instead of being replaced."""
     level = baseline = peak = 0
     live: dict[int, Allocation] = {}
+    stuck: list[Allocation] = []
     live_at_peak: list[Allocation] = []
     for event in events:
         if event.time_ns > end:
             break
         level += event.nbytes
         if event.nbytes > 0:
+            if keep_reused and event.ptr in live:
+                stuck.append(live[event.ptr])
             live[event.ptr] = event
         else:
             live.pop(event.ptr, None)
@@ -186,12 +194,18 @@ def region_memory(events: list[Allocation], start: int, end: int) -> RegionMemor
             baseline = level
         elif level - baseline > peak:
             peak = level - baseline
-            live_at_peak = [a for a in live.values() if a.time_ns >= start]
+            live_at_peak = [a for a in (*stuck, *live.values()) if a.time_ns >= start]
+    return peak, level - baseline, live_at_peak
+
+
+def region_memory(events: list[Allocation], start: int, end: int) -> RegionMemory:
+    """The window's peak and what holds it, by label (``replay``)."""
+    peak, held, live_at_peak = replay(events, start, end)
     by_label: dict[str, int] = defaultdict(int)
     for allocation in live_at_peak:
         by_label[allocation.label] += allocation.nbytes
     ordered = dict(sorted(by_label.items(), key=lambda item: -item[1]))
-    return RegionMemory(peak, level - baseline, ordered)
+    return RegionMemory(peak, held, ordered)
 
 
 def profiler() -> profile:

@@ -33,7 +33,7 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 from alloc_trace import Record, live_at_peak, peak, preloaded, traced
-from live_memory import Allocation, MiB, allocations, on_gloo_ranks, profiler, region
+from live_memory import Allocation, MiB, allocations, on_gloo_ranks, profiler, region, replay
 from peer_attention import (
     DTYPES,
     PEER_ROWS,
@@ -59,26 +59,8 @@ MODES = {"plain": False, "ckpt": True}  # name -> checkpointed (trainable weight
 def _live_at_peak(events: list[Allocation], start: int, end: int) -> tuple[int, list[Allocation]]:
     """(peak bytes above the level at ``start``, the window's allocations live then), replaying
     every event: an allocation whose address is taken again without a recorded free stays live."""
-    level = base = top = 0
-    live: dict[int, Allocation] = {}
-    stuck: list[Allocation] = []
-    at_peak: list[Allocation] = []
-    for event in events:
-        if event.time_ns > end:
-            break
-        level += event.nbytes
-        if event.nbytes > 0:
-            if event.ptr in live:
-                stuck.append(live[event.ptr])
-            live[event.ptr] = event
-        else:
-            live.pop(event.ptr, None)
-        if event.time_ns < start:
-            base = level
-        elif level - base > top:
-            top = level - base
-            at_peak = [a for a in (*stuck, *live.values()) if a.time_ns >= start]
-    return top, at_peak
+    peak, _, at_peak = replay(events, start, end, keep_reused=True)
+    return peak, at_peak
 
 
 def _window(layer: Layer, x_shard: Tensor, grad: Tensor, checkpointed: bool) -> dict:
