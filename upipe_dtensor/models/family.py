@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from upipe_dtensor.memory.tiled_mlp import register_swiglu_mlp
-from upipe_dtensor.models.generation import family_module
+from upipe_dtensor.models.generation import TORCHTITAN_VERSION, family_module
 from upipe_dtensor.models.long_context import LongContextModel
 from upipe_dtensor.parallel.attention_interface import (
     AttentionAdapter,
@@ -57,9 +57,14 @@ class ModelFamily:
     hf_rope_permuted: tuple[str, ...] = ()
     """Weight names whose rows Hugging Face stores permuted for its RoPE pairing (Llama3's wq,
     wk: torchtitan rotates interleaved pairs, HF the halves); the adapter permutes them."""
+    hf_extra_fields: Callable[[Any], dict[str, Any]] | None = None
+    """``args ->`` the config.json fields of the family's shape beyond the dense decoder's
+    (``models.hf_config.shape_fields``), such as a mixture of experts' counts."""
 
 
 FAMILIES: dict[str, ModelFamily] = {}
+UNAVAILABLE: dict[str, str] = {}
+"""Families the installed torchtitan generation lacks -> the line that says what to install."""
 
 
 def register_family(family: ModelFamily) -> None:
@@ -72,6 +77,8 @@ def register_family(family: ModelFamily) -> None:
 
 def get_family(name: str) -> ModelFamily:
     """The family ``[model] name`` selects; ValueError naming the registered ones."""
+    if name in UNAVAILABLE:
+        raise ValueError(f"[model] name = {name!r}: {UNAVAILABLE[name]}")
     if name not in FAMILIES:
         raise ValueError(
             f"[model] name = {name!r} is not a registered model family; choose one of "
@@ -81,9 +88,10 @@ def get_family(name: str) -> ModelFamily:
 
 
 def family_of(args: Any) -> ModelFamily:
-    """The family whose args class ``args`` is."""
+    """The family whose args class ``args`` is (exactly: one family's args may subclass
+    another's, as Qwen3-MoE's do Qwen3's)."""
     for family in FAMILIES.values():
-        if isinstance(args, family.args_class):
+        if type(args) is family.args_class:
             return family
     raise ValueError(f"{type(args).__name__} is not the args class of a registered model family")
 
@@ -101,8 +109,18 @@ def family_of_hf_config(config: dict[str, Any], source: str) -> ModelFamily:
 
 
 def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
-    """Register the installed torchtitan generation's module of family ``name``."""
-    module = family_module(name)
+    """Register the installed torchtitan generation's module of family ``name``; a family
+    that generation lacks is named in ``UNAVAILABLE`` instead."""
+    try:
+        module = family_module(name)
+    except ModuleNotFoundError as missing:
+        if not (missing.name or "").startswith("upipe_dtensor.models."):
+            raise
+        UNAVAILABLE[name] = (
+            f"the {name} family runs on torchtitan 0.3.0 (with torch >= 2.13), and torchtitan "
+            f"{TORCHTITAN_VERSION} is installed: pip install torch==2.13.0 torchtitan==0.3.0"
+        )
+        return
     register_family(
         ModelFamily(
             name=name,
@@ -117,9 +135,11 @@ def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
             hf_architecture=hf_architecture,
             state_dict_adapter=module.hf_adapter,
             hf_rope_permuted=module.HF_ROPE_PERMUTED,
+            hf_extra_fields=getattr(module, "hf_extra_fields", None),
         )
     )
 
 
 _register("llama3", hf_model_type="llama", hf_architecture="LlamaForCausalLM")
 _register("qwen3", hf_model_type="qwen3", hf_architecture="Qwen3ForCausalLM")
+_register("qwen3_moe", hf_model_type="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM")

@@ -54,7 +54,8 @@ def shape_fields(args: ModelArgs) -> dict[str, Any]:
     scaling = args.rope_scaling_args
     if scaling.scaling_factor == 1:  # no scaling, whatever the other factors say
         scaling = NO_SCALING
-    return {
+    extra = family_of(args).hf_extra_fields
+    return (extra(args) if extra else {}) | {
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,

@@ -50,7 +50,10 @@ def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RoPEScalin
     )
 
 
-_EXPERTS = "mixture of experts (model_type qwen3_moe, qwen2_moe, mixtral, deepseek_v3)"
+_EXPERTS = (
+    "mixture of experts (model_type 'qwen3_moe', which [model] name = 'qwen3_moe' reads; "
+    "qwen2_moe, mixtral and deepseek_v3 are not implemented)"
+)
 _LATENT = "multi-head latent attention (model_type deepseek_v3)"
 UNREAD_FIELDS: dict[str, str] = {
     "num_experts": _EXPERTS,  # as the Qwen-MoE checkpoints publish it
@@ -61,22 +64,24 @@ UNREAD_FIELDS: dict[str, str] = {
     "q_lora_rank": _LATENT,
     "kv_lora_rank": _LATENT,
 }
-"""config.json fields that no registered family reads, and the Hugging Face model types that do.
+"""config.json fields that the dense families do not read, and the Hugging Face model types that do.
 Each changes the model's numbers, so a config carrying one (say a Qwen3-MoE ``config.json``
 relabelled ``model_type = "qwen3"``) would otherwise load silently as a dense model with its
 experts or latent projections dropped. A field present but empty (0, null, []) means off."""
 
 
-def check_supported(config: dict[str, Any], supported: dict[str, Any], source: str) -> None:
+def check_supported(
+    config: dict[str, Any], supported: dict[str, Any], source: str, reads: tuple[str, ...] = ()
+) -> None:
     """ValueError for a config.json field whose value the family's model does not implement:
-    one of ``supported``'s with another value, one of ``UNREAD_FIELDS`` set, or a layer kind
-    other than full attention in ``layer_types`` (transformers' per-layer sliding windows)."""
+    one of ``supported``'s with another value, one of ``UNREAD_FIELDS`` set that the family
+    does not read (``reads``), or a layer kind other than full attention in ``layer_types``
+    (transformers' per-layer sliding windows)."""
     for key, readers in UNREAD_FIELDS.items():
-        if config.get(key):
+        if config.get(key) and key not in reads:
             raise ValueError(
-                f"{source}: {key} = {config[key]!r} configures {readers}, which this project "
-                f"does not implement; loading it as model_type {config.get('model_type')!r} "
-                f"would drop it: use a dense Llama3 or Qwen3 checkpoint"
+                f"{source}: {key} = {config[key]!r} configures {readers}; loading it as "
+                f"model_type {config.get('model_type')!r} would drop it"
             )
     other_layers = sorted(set(config.get("layer_types") or ()) - {"full_attention"})
     if other_layers:

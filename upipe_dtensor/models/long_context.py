@@ -249,7 +249,9 @@ def init_sharded_weights(model: LongContextModel, *, seed: int, device: torch.de
 
 @torch.no_grad()
 def _copy_shards(target: nn.Module, source: nn.Module) -> None:
-    """target.param <- this rank's shard of source.param, for every parameter of ``source``."""
+    """target.param <- this rank's shard of source.param, for every parameter of ``source``;
+    and its buffers (a mixture of experts' expert bias and token counts; FSDP keeps buffers
+    whole)."""
     # Checkpoint wrappers nest the block one level down; state dicts hide that, so do we.
     params = {name.replace(f"{CHECKPOINT_PREFIX}.", ""): p for name, p in target.named_parameters()}
     for name, full in source.named_parameters():
@@ -258,3 +260,7 @@ def _copy_shards(target: nn.Module, source: nn.Module) -> None:
             # src_data_rank=None: every rank slices its own copy, no communication.
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.copy_(full)
+    buffers = {name.replace(f"{CHECKPOINT_PREFIX}.", ""): b for name, b in target.named_buffers()}
+    for name, full in source.named_buffers():
+        if name in buffers and buffers[name].shape == full.shape:
+            buffers[name].copy_(full)

@@ -1,0 +1,147 @@
+"""Qwen3-MoE against ``transformers``' own ``Qwen3MoeForCausalLM`` with the same weights: a tiny
+random model (8 experts, top 2, renormalised scores, random norm weights) loaded from a folder
+transformers wrote, on 2 gloo ranks under UPipe and Ulysses, causal and with packed documents:
+logits, every gradient (the router's and each expert's included) and the per-expert token
+counts that drive the load balancing, all in float32. No token is dropped (every token reaches
+its top-k experts, as in transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import gather_sequence, rel_err, run_on_ranks
+from hf_tiny import SEQ_LEN, random_tokens, save_with_random_norms
+from test_hf import _job as hf_job
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from upipe_dtensor.models import family_of
+from upipe_dtensor.train.build import build_parallel_model, load_initial_weights
+
+pytestmark = pytest.mark.e2e
+
+EXPERTS, TOP_K, MOE_HIDDEN = 8, 2, 48
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory) -> Path:
+    """Random tiny Qwen3-MoE (GQA 4:2, head_dim 32, 2 blocks of 8 experts) saved by
+    transformers, with the shipped tokenizer."""
+    config = Qwen3MoeConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=MOE_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf") / "tiny-qwen3-moe"
+    return save_with_random_norms(Qwen3MoeForCausalLM(config).float(), folder)
+
+
+def _hf_grads(model: Qwen3MoeForCausalLM) -> dict[str, torch.Tensor]:
+    """transformers' gradients by their Hugging Face checkpoint names: its fused experts
+    (``gate_up_proj``, ``down_proj``) split per expert, as the checkpoint stores them."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.detach()
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for expert in range(grad.shape[0]):
+                gate, up = grad[expert].chunk(2, dim=0)
+                grads[f"{base}{expert}.gate_proj.weight"] = gate
+                grads[f"{base}{expert}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for expert in range(grad.shape[0]):
+                grads[f"{base}{expert}.down_proj.weight"] = grad[expert]
+        else:
+            grads[name] = grad
+    return grads
+
+
+def _reference(folder: Path, rows: list[torch.Tensor], probe: torch.Tensor):
+    """transformers' logits of ``rows`` (each run on its own: a packed row's documents), its
+    gradients of sum(logits * probe), and each block's tokens per expert."""
+    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    counts = [torch.zeros(EXPERTS) for _ in model.model.layers]
+
+    def count(index: int):
+        def hook(module, inputs, output) -> None:
+            counts[index] += torch.bincount(output[2].flatten(), minlength=EXPERTS).float()
+
+        return hook
+
+    for index, layer in enumerate(model.model.layers):
+        layer.mlp.gate.register_forward_hook(count(index))
+    logits = torch.cat([model(row[None]).logits for row in rows], dim=1)
+    (logits * probe).sum().backward()
+    return logits.detach(), _hf_grads(model), torch.stack(counts)
+
+
+def _on_ranks(rank: int, world: int, dump: str, hf: str, cases: list) -> None:
+    failures = []
+    for style, documents, tokens, probe, expected, grads, counts in cases:
+        extra = ["--parallelism.cp_style", style, "--checkpoint.enable", "false"]
+        if documents:
+            extra += ["--training.attention_mask", "document"]
+            extra += ["--training.position_ids", "document"]
+        built = build_parallel_model(
+            hf_job(Path(dump), Path(hf), "--model.name", "qwen3_moe", *extra)
+        )
+        load_initial_weights(built)
+        logits = built(built.shard_sequence(tokens), **built.document_inputs(tokens))
+        (logits * built.shard_sequence(probe)).sum().backward()
+        errors = {"logits": rel_err(gather_sequence(logits.detach(), built.cp_style), expected)}
+        # FSDP averages the gradients over its ranks; the reference's are the sum.
+        ours = {
+            name.replace("_checkpoint_wrapped_module.", ""): world * p.grad.full_tensor()
+            for name, p in built.model.named_parameters()
+        }
+        adapter = family_of(built.model.model_args).state_dict_adapter(built.model.model_args, None)
+        ours = adapter.to_hf(ours)
+        assert sorted(ours) == sorted(grads), sorted(set(ours) ^ set(grads))
+        errors |= {f"grad {name}": rel_err(ours[name], grads[name]) for name in grads}
+        tokens_per_expert = torch.stack(
+            [block.moe.tokens_per_expert_E.clone() for block in built.model.layers.values()]
+        )
+        dist.all_reduce(tokens_per_expert)
+        assert torch.equal(tokens_per_expert, counts), (style, tokens_per_expert, counts)
+        worst = max(errors, key=errors.get)
+        if errors[worst] > 1e-4:
+            failures.append(f"{style} documents={documents}: {worst} rel err {errors[worst]:.2e}")
+        if rank == 0:
+            print(f"Qwen3-MoE {style} cp=2 vs transformers: worst {worst} {errors[worst]:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_logits_every_gradient_and_expert_counts_equal_transformers(
+    tmp_path: Path, moe_folder: Path
+) -> None:
+    tokens = random_tokens(1)
+    first, second = random_tokens(1, 20, seed=4)[0], random_tokens(1, SEQ_LEN - 20, seed=5)[0]
+    first[-1] = 1  # EOS: the document boundary
+    packed = torch.cat([first, second])[None]
+    probe = torch.randn(1, SEQ_LEN, 2048, generator=torch.Generator().manual_seed(7))
+    causal = _reference(moe_folder, [tokens[0]], probe)
+    documents = _reference(moe_folder, [first, second], probe)
+    cases = [
+        ("upipe", False, tokens, probe, *causal),
+        ("ulysses", False, tokens, probe, *causal),
+        ("upipe", True, packed, probe, *documents),
+    ]
+    run_on_ranks(2, _on_ranks, str(tmp_path), str(moe_folder), cases)

@@ -1,0 +1,256 @@
+"""torchtitan 0.3.0's Qwen3-MoE on the long-context forward: Qwen3's attention (QK-norm,
+rotate-half RoPE; the same adapter, so every CP style runs on it) and torchtitan's MoE layer in
+every block (token-choice top-k softmax router, grouped experts, auxiliary-loss-free load
+balancing by an expert bias), built by torchtitan's own layer builder
+(``_build_qwen3_moe_layers``) with separate ``wq``/``wk``/``wv``.
+
+One change to torchtitan's layer: the grouped experts compute in the activations' dtype
+(``GroupedExpertsInInputDtype``). Under FSDP's bf16 mixed precision that is torchtitan's bf16;
+in float32 it keeps float32, where torchtitan would round the experts to bf16 (so no float32
+check against ``transformers`` or float64 could pass). Every token goes to its top-k experts
+(torchtitan's ``LocalTokenDispatcher`` drops none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.models.common import Embedding, Linear
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.qwen3 import (
+    _EMBEDDING_INIT,
+    _LINEAR_INIT,
+    _build_qwen3_moe_layers,
+    _qwen3_norm,
+    qwen3_configs,
+)
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.utils import get_moe_model_nparams_and_flops
+
+from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
+from upipe_dtensor.models.tt030 import Decoder030, HalfFrequencyRoPE, with_norm_eps
+from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
+from upipe_dtensor.models.tt030.qwen3 import ATTENTION_CLASS, MLP_CLASS, Qwen3Args, Qwen3Block
+
+__all__ = ["ATTENTION_CLASS", "MLP_CLASS"]
+
+ATTENTION_ADAPTER = GQA_ADAPTER
+"""Qwen3's attention: the dense family's adapter."""
+HF_ROPE_PERMUTED: tuple[str, ...] = ()
+
+
+@dataclass
+class Qwen3MoeArgs(Qwen3Args):
+    """Qwen3-MoE's shape: Qwen3's, with every block's MLP a mixture of ``num_experts`` SwiGLU
+    experts of hidden size ``ffn_dim``, ``top_k`` of them per token."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    route_norm: bool = True
+    """Renormalise each token's top-k scores to sum to 1 (Hugging Face's ``norm_topk_prob``)."""
+    load_balance_coeff: float | None = 1e-3
+    """torchtitan's auxiliary-loss-free load balancing: the expert bias moves by this much per
+    optimizer step toward the under-used experts (None: off)."""
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """torchtitan's MoE count: every parameter, and the FLOPs of the active ones (top-k
+        experts) per token."""
+        return get_moe_model_nparams_and_flops(
+            model_config(self), model, self.n_heads, self.flops_head_dims, seq_len
+        )
+
+
+class GroupedExpertsInInputDtype(GroupedExperts):
+    """torchtitan's ``GroupedExperts`` computing in the dtype of the tokens it is given, where
+    torchtitan's always casts to bf16 (module docstring); the same three grouped matmuls."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (
+            w.to_local() if isinstance(w, DTensor) else w
+            for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
+        w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1, w2, w3))
+        offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        gate = self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offsets)
+        up = self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offsets)
+        return self._grouped_mm(A=F.silu(gate) * up, B_t=w2.transpose(-2, -1), offs=offsets)
+
+
+def _torchtitan_flavor(name: str) -> Qwen3MoeArgs:
+    """The args of torchtitan's Qwen3-MoE flavor ``name``, read off its config (an output
+    layer of its own, as the dense family's)."""
+    config = qwen3_configs[name](attn_backend="flex")
+    attention, moe = config.layers[0].attention, config.layers[0].moe
+    return Qwen3MoeArgs(
+        dim=config.dim,
+        n_layers=len(config.layers),
+        n_heads=attention.n_heads,
+        n_kv_heads=attention.n_kv_heads,
+        head_dim=attention.head_dim,
+        ffn_dim=moe.routed_experts.inner_experts.hidden_dim,
+        vocab_size=config.vocab_size,
+        norm_eps=config.norm.eps,
+        rope_theta=attention.rope.theta,
+        max_seq_len=attention.rope.max_seq_len,
+        num_experts=moe.num_experts,
+        top_k=moe.router.top_k,
+        route_norm=moe.router.route_norm,
+        load_balance_coeff=moe.load_balance_coeff,
+    )
+
+
+FLAVORS: dict[str, Qwen3MoeArgs] = {
+    # Small enough for a CPU laptop: the dense debug model's attention, 8 experts, top 2.
+    "debugmodel": Qwen3MoeArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        ffn_dim=256,
+        vocab_size=2048,
+        rope_theta=1_000_000,
+        num_experts=8,
+        top_k=2,
+    ),
+    **{name: _torchtitan_flavor(name) for name in ("debugmodel_moe", "30B-A3B", "235B-A22B")},
+}
+"""Our CPU debug flavor and torchtitan's Qwen3-MoE flavors (``debugmodel_moe``: the shapes of
+its ``qwen3_moe_debug`` job)."""
+
+
+def model_config(args: Qwen3MoeArgs) -> Qwen3Model.Config:
+    """torchtitan's ``Qwen3Model.Config`` of ``args``, by torchtitan's builders and inits."""
+    layers = _build_qwen3_moe_layers(
+        n_layers=args.n_layers,
+        dim=args.dim,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads or args.n_heads,
+        head_dim=args.resolved_head_dim,
+        moe_hidden_dim=args.resolved_ffn_dim,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        fuse_qkv=False,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=args.rope_config(HalfFrequencyRoPE),
+    )
+    blocks = []
+    for layer in layers:
+        moe = layer.moe
+        moe.router.route_norm = args.route_norm
+        moe.load_balance_coeff = args.load_balance_coeff
+        experts = moe.routed_experts.inner_experts
+        moe.routed_experts.inner_experts = GroupedExpertsInInputDtype.Config(
+            **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)}
+        )
+        blocks.append(
+            Qwen3Block.Config(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)})
+        )
+    config = Qwen3Model.Config(
+        dim=args.dim,
+        vocab_size=args.vocab_size,
+        norm=_qwen3_norm(args.dim),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=args.vocab_size, embedding_dim=args.dim, param_init=_EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(
+            in_features=args.dim, out_features=args.vocab_size, param_init=_LINEAR_INIT
+        ),
+        layers=blocks,
+    )
+    return with_norm_eps(config, args.norm_eps)
+
+
+class Qwen3Moe(Decoder030, Qwen3Model):
+    """torchtitan's ``Qwen3Model`` of ``Qwen3MoeArgs``, with the long-context forward
+    (``models.long_context``)."""
+
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__(model_config(args))
+        self.model_args = args
+
+
+_SUPPORTED = {
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+"""config.json fields and the only value our Qwen3-MoE implements (every block a MoE block)."""
+_READS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "vocab_size",
+)
+
+
+def args_from_hf(config: dict[str, Any], source: str) -> Qwen3MoeArgs:
+    """The ``Qwen3MoeArgs`` of a Hugging Face Qwen3-MoE ``config.json``. Its number of experts
+    is ``num_experts`` as the published checkpoints write it, ``num_local_experts`` as
+    transformers 5 does. ``router_aux_loss_coef`` is transformers' training loss, which this
+    project replaces with torchtitan's auxiliary-loss-free balancing; the model's numbers do not
+    depend on it."""
+    check_supported(config, _SUPPORTED, source, reads=_READS)
+    require(config, _SHAPE_KEYS, source, "Qwen3-MoE")
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts:
+        raise ValueError(f"{source}: no num_experts; is this a Qwen3-MoE config.json?")
+    theta, scaling = rope_from_hf(config, source)
+    if scaling.scaling_factor != 1:
+        raise ValueError(f"{source}: Qwen3-MoE with Llama3 RoPE scaling is not a model we know")
+    return Qwen3MoeArgs(
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        ffn_dim=config["moe_intermediate_size"],
+        vocab_size=config["vocab_size"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        num_experts=int(num_experts),
+        top_k=config["num_experts_per_tok"],
+        route_norm=bool(config.get("norm_topk_prob", False)),
+    )
+
+
+def hf_adapter(args: Qwen3MoeArgs, hf_assets_path: str | None) -> Qwen3StateDictAdapter:
+    """torchtitan's state-dict adapter (experts split to and stacked from Hugging Face's
+    per-expert ``mlp.experts.{e}.*_proj``) for ``args``."""
+    return Qwen3StateDictAdapter(model_config(args), hf_assets_path)
+
+
+ARGS_CLASS = Qwen3MoeArgs
+MODEL_CLASS = Qwen3Moe
+
+
+def hf_extra_fields(args: Qwen3MoeArgs) -> dict[str, Any]:
+    """The config.json fields of the experts (``models.hf_config.shape_fields``):
+    ``intermediate_size`` is the dense MLP's, which no block of ours has."""
+    return {
+        "moe_intermediate_size": args.resolved_ffn_dim,
+        "num_experts": args.num_experts,
+        "num_experts_per_tok": args.top_k,
+        "norm_topk_prob": args.route_norm,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
