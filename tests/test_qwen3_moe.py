@@ -7,22 +7,29 @@ its top-k experts, as in transformers)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from harness import gather_sequence, rel_err, run_on_ranks
-from hf_tiny import SEQ_LEN, random_tokens, save_with_random_norms
+from hf_tiny import SEQ_LEN, random_tokens, safetensors_weights, save_with_random_norms
 from test_hf import _job as hf_job
+from test_trainer import REPO
+from test_trainer import _config as _trainer_config
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from upipe_dtensor import convert
+from upipe_dtensor.config import ConfigError, check_job, parse_args
 from upipe_dtensor.models import family_of
 from upipe_dtensor.train.build import build_parallel_model, load_initial_weights
+from upipe_dtensor.train.trainer import Trainer
 
 pytestmark = pytest.mark.e2e
 
 EXPERTS, TOP_K, MOE_HIDDEN = 8, 2, 48
+MOE_DEBUG = REPO / "train_configs/qwen3_moe_debug.toml"
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +152,56 @@ def test_logits_every_gradient_and_expert_counts_equal_transformers(
         ("upipe", True, packed, probe, *documents),
     ]
     run_on_ranks(2, _on_ranks, str(tmp_path), str(moe_folder), cases)
+
+
+def _train(rank: int, world: int, dump: str, out: str) -> None:
+    config = _trainer_config(Path(dump), world, ["--config", str(MOE_DEBUG)])
+    trainer = Trainer(config)
+    losses = trainer.train()
+    biases = [block.moe.expert_bias_E.tolist() for block in trainer.model.layers.values()]
+    if rank == 0:
+        Path(out).write_text(json.dumps({"losses": losses, "biases": biases}))
+
+
+def _run(tmp: Path, cp: int) -> dict:
+    out = tmp / f"cp{cp}.json"
+    run_on_ranks(cp, _train, str(tmp / f"cp{cp}"), str(out))
+    return json.loads(out.read_text())
+
+
+def test_the_moe_debug_job_trains_and_balances_its_experts_as_on_one_rank(tmp_path: Path) -> None:
+    """train_configs/qwen3_moe_debug.toml (UPipe) on 2 ranks: the losses of one rank within
+    1e-5 and falling, and the same expert biases after 4 steps of torchtitan's load balancing
+    (each step's tokens per expert summed over the ranks), which did move them."""
+    one, two = _run(tmp_path, 1), _run(tmp_path, 2)
+    for step, (a, e) in enumerate(zip(two["losses"], one["losses"], strict=True), 1):
+        assert abs(a - e) <= 1e-5 * abs(e), f"step {step}: {a} vs {e}"
+    assert one["losses"][-1] < one["losses"][0]
+    assert two["biases"] == one["biases"]
+    assert all(any(bias) for bias in one["biases"])
+
+
+def test_hf_to_dcp_to_hf_is_bit_exact_and_loads_in_transformers(
+    tmp_path: Path, moe_folder: Path
+) -> None:
+    assert convert.main(["--to", "dcp", str(moe_folder), str(tmp_path / "dcp")]) == 0
+    back = tmp_path / "hf"
+    to_hf = ["--to", "hf", str(tmp_path / "dcp"), str(back), "--model.name", "qwen3_moe"]
+    to_hf += ["--model.flavor", "hf", "--model.hf_assets_path", str(moe_folder)]
+    assert convert.main(to_hf) == 0
+    original, exported = safetensors_weights(moe_folder), safetensors_weights(back)
+    assert sorted(exported) == sorted(original)
+    for name, weight in original.items():
+        assert torch.equal(exported[name], weight), name
+    tokens = random_tokens(1)
+    models = [
+        Qwen3MoeForCausalLM.from_pretrained(f, dtype=torch.float32) for f in (back, moe_folder)
+    ]
+    with torch.no_grad():
+        assert torch.equal(models[0](tokens).logits, models[1](tokens).logits)
+
+
+def test_tensor_parallelism_is_refused_in_one_line() -> None:
+    config = parse_args(["--config", str(MOE_DEBUG), "--parallelism.tensor_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree = 2: the qwen3_moe family's"):
+        check_job(config, world_size=4)

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from upipe_dtensor.config.schema import ConfigError, JobConfig, source_label
+from upipe_dtensor.models.family import family_of
 from upipe_dtensor.models.hf_config import (
     ModelArgs,
     check_safetensors,
@@ -383,6 +384,14 @@ def check_job(config: JobConfig, world_size: int) -> int:
         args = model_args(config.model, training.seq_len)
     except ValueError as err:
         fail(str(err), *model_keys)
+    if tp > 1 and family_of(args).mixture_of_experts:
+        fail(
+            f"[parallelism] tensor_parallel_degree = {tp}: the {config.model.name} family's "
+            f"experts do not run under tensor parallelism here; set tensor_parallel_degree = 1 "
+            f"(context parallelism splits the sequence, FSDP the experts)",
+            tp_key,
+            "model.name",
+        )
     try:
         check_initial_load(config, args)
     except ValueError as err:

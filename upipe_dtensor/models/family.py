@@ -57,6 +57,8 @@ class ModelFamily:
     hf_rope_permuted: tuple[str, ...] = ()
     """Weight names whose rows Hugging Face stores permuted for its RoPE pairing (Llama3's wq,
     wk: torchtitan rotates interleaved pairs, HF the halves); the adapter permutes them."""
+    mixture_of_experts: bool = False
+    """Its blocks' MLPs are torchtitan's ``MoE`` (router, grouped experts), not a SwiGLU MLP."""
     hf_extra_fields: Callable[[Any], dict[str, Any]] | None = None
     """``args ->`` the config.json fields of the family's shape beyond the dense decoder's
     (``models.hf_config.shape_fields``), such as a mixture of experts' counts."""
@@ -135,6 +137,7 @@ def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
             hf_architecture=hf_architecture,
             state_dict_adapter=module.hf_adapter,
             hf_rope_permuted=module.HF_ROPE_PERMUTED,
+            mixture_of_experts=getattr(module, "MIXTURE_OF_EXPERTS", False),
             hf_extra_fields=getattr(module, "hf_extra_fields", None),
         )
     )

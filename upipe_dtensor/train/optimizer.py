@@ -1,5 +1,6 @@
-"""How a training job updates its weights: AdamW from ``[optimizer]`` and the learning-rate
-schedule from ``[lr_scheduler]`` (warmup, then linear or cosine decay to a floor)."""
+"""How a training job updates its weights: AdamW from ``[optimizer]``, the learning-rate
+schedule from ``[lr_scheduler]`` (warmup, then linear or cosine decay to a floor), and a
+mixture of experts' load balancing at each step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.lr_scheduler import LambdaLR
 
 from upipe_dtensor.config import JobConfig
@@ -24,6 +26,33 @@ def build_optimizer(model: nn.Module, config: JobConfig, device: torch.device) -
         # The fused kernel needs the parameters on the GPU (not so under FSDP CPU offload).
         fused=device.type == "cuda" and not config.training.enable_cpu_offload,
     )
+
+
+class _TokenMeshes:
+    """What torchtitan's load-balancing hook asks of its ``ParallelDims``: the mesh over which
+    a step's tokens are split (its "loss" mesh: dp_shard x cp here), and no expert parallelism
+    inside tensor parallelism."""
+
+    ep_enabled = False
+    tp = 1
+
+    def __init__(self, token_mesh: DeviceMesh) -> None:
+        self.token_mesh = token_mesh
+
+    def get_optional_mesh(self, name: str) -> DeviceMesh | None:
+        return self.token_mesh if name == "loss" else None
+
+
+def balance_experts(optimizer: torch.optim.Optimizer, model: nn.Module, token_mesh: DeviceMesh):
+    """torchtitan's auxiliary-loss-free load balancing on ``optimizer``: before each step every
+    MoE block's expert bias moves toward its under-used experts, by the tokens it routed on
+    all the ranks of ``token_mesh``. Nothing for a dense model."""
+    if not any(getattr(block, "moe_enabled", False) for block in model.layers.values()):
+        return
+    # Imported here: only a mixture of experts (torchtitan 0.3.0's) needs it.
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+    register_moe_load_balancing_hook(optimizer, [model], _TokenMeshes(token_mesh))
 
 
 def lr_lambda(config: JobConfig) -> Callable[[int], float]:

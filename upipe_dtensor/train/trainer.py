@@ -44,7 +44,12 @@ from upipe_dtensor.runtime.rank_deaths import is_communication_failure, rank_pro
 from upipe_dtensor.runtime.shutdown import StopRequests, watch_launcher
 from upipe_dtensor.train.build import build_parallel_model, load_initial_weights, set_up_job
 from upipe_dtensor.train.export import export_hf
-from upipe_dtensor.train.optimizer import build_lr_scheduler, build_optimizer, follow_schedule
+from upipe_dtensor.train.optimizer import (
+    balance_experts,
+    build_lr_scheduler,
+    build_optimizer,
+    follow_schedule,
+)
 from upipe_dtensor.train.parallelize import compile_report, describe_cp_style
 from upipe_dtensor.train.preflight import check_before_process_group, checked_loader
 from upipe_dtensor.train.resume import (
@@ -143,6 +148,7 @@ class Trainer:
             self.model, self.model.model_args, config.training.seq_len
         )
         self.optimizer = build_optimizer(self.model, config, self.device)
+        balance_experts(self.optimizer, self.model, setup.meshes.fsdp)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
         self.checkpointer = None
         if config.checkpoint.enable:

@@ -44,6 +44,7 @@ __all__ = ["ATTENTION_CLASS", "MLP_CLASS"]
 ATTENTION_ADAPTER = GQA_ADAPTER
 """Qwen3's attention: the dense family's adapter."""
 HF_ROPE_PERMUTED: tuple[str, ...] = ()
+MIXTURE_OF_EXPERTS = True
 
 
 @dataclass
