@@ -76,6 +76,15 @@ JOBS = {
     # 4 chunks per rank at cp 2, 2 at cp 4: earlier K/V chunks in the host store
     "fpdt": ["--parallelism.cp_style", "fpdt", "--parallelism.chunk_tokens", "256"],
     "upipe-2d": ["--parallelism.ring_degree", "2"],  # 2 x 1 at cp 2, 2 x 2 at cp 4
+    "qwen3-moe": ["--config", str(REPO / "train_configs/qwen3_moe_debug.toml")],
+    "qwen3-moe+tiling": [
+        "--config",
+        str(REPO / "train_configs/qwen3_moe_debug.toml"),
+        "--memory.tiled_mlp",
+        "true",
+        "--memory.mlp_tile_tokens",
+        "128",
+    ],
     "upipe+checkpoint_pairs": [
         "--activation_checkpoint.mode",
         "full",

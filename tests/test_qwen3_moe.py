@@ -2,7 +2,8 @@
 random model (8 experts, top 2, renormalised scores, random norm weights) loaded from a folder
 transformers wrote, on 2 gloo ranks under UPipe and Ulysses, causal and with packed documents:
 logits, every gradient (the router's and each expert's included) and the per-expert token
-counts that drive the load balancing, all in float32. No token is dropped (every token reaches
+counts that drive the load balancing, all in float32, with the MoE blocks whole or tiled over
+tokens (``[memory] tiled_mlp``). No token is dropped (every token reaches
 its top-k experts, as in transformers)."""
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ def _reference(folder: Path, rows: list[torch.Tensor], probe: torch.Tensor):
 
 def _on_ranks(rank: int, world: int, dump: str, hf: str, cases: list) -> None:
     failures = []
-    for style, documents, tokens, probe, expected, grads, counts in cases:
+    for style, documents, tiled, tokens, probe, expected, grads, counts in cases:
         extra = ["--parallelism.cp_style", style, "--checkpoint.enable", "false"]
+        if tiled:  # 3 tiles of 11 tokens per rank
+            extra += ["--memory.tiled_mlp", "true", "--memory.mlp_tile_tokens", "11"]
         if documents:
             extra += ["--training.attention_mask", "document"]
             extra += ["--training.position_ids", "document"]
@@ -127,12 +130,14 @@ def _on_ranks(rank: int, world: int, dump: str, hf: str, cases: list) -> None:
             [block.moe.tokens_per_expert_E.clone() for block in built.model.layers.values()]
         )
         dist.all_reduce(tokens_per_expert)
-        assert torch.equal(tokens_per_expert, counts), (style, tokens_per_expert, counts)
+        # Each tile's recompute counts its tokens again (memory.tiled_moe).
+        expected_counts = counts * (2 if tiled else 1)
+        assert torch.equal(tokens_per_expert, expected_counts), (style, tokens_per_expert, counts)
         worst = max(errors, key=errors.get)
         if errors[worst] > 1e-4:
-            failures.append(f"{style} documents={documents}: {worst} rel err {errors[worst]:.2e}")
+            failures.append(f"{style} {documents=} {tiled=}: {worst} rel err {errors[worst]:.2e}")
         if rank == 0:
-            print(f"Qwen3-MoE {style} cp=2 vs transformers: worst {worst} {errors[worst]:.2e}")
+            print(f"Qwen3-MoE {style} {documents=} {tiled=}: worst {worst} {errors[worst]:.2e}")
     assert not failures, "\n".join(failures)
 
 
@@ -147,9 +152,9 @@ def test_logits_every_gradient_and_expert_counts_equal_transformers(
     causal = _reference(moe_folder, [tokens[0]], probe)
     documents = _reference(moe_folder, [first, second], probe)
     cases = [
-        ("upipe", False, tokens, probe, *causal),
-        ("ulysses", False, tokens, probe, *causal),
-        ("upipe", True, packed, probe, *documents),
+        ("upipe", False, False, tokens, probe, *causal),
+        ("ulysses", False, True, tokens, probe, *causal),
+        ("upipe", True, False, packed, probe, *documents),
     ]
     run_on_ranks(2, _on_ranks, str(tmp_path), str(moe_folder), cases)
 

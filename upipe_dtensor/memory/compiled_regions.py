@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from upipe_dtensor.memory.tiled_moe import is_tiled_moe, moe_modules
 from upipe_dtensor.modes.rehearsal import around_compiled_calls
 
 
@@ -77,29 +78,37 @@ class _RegionForward:
             return mlp(self, h)
 
 
-_CLASSES: dict[tuple[type[nn.Module], str], type[nn.Module]] = {}
+_CLASSES: dict[tuple[type[nn.Module], str, bool], type[nn.Module]] = {}
 
 
-def region_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
-    """One subclass of ``cls`` per backend whose forward runs the two compiled regions."""
+def region_class(cls: type[nn.Module], backend: str, eager_mlp: bool = False) -> type[nn.Module]:
+    """One subclass of ``cls`` per backend whose forward runs the two regions, both compiled
+    or (``eager_mlp``) the attention half only."""
     if issubclass(cls, _RegionForward):
         cls = cls.__mro__[2]
-    key = (cls, backend)
+    key = (cls, backend, eager_mlp)
     if key not in _CLASSES:
+        compiled = (attention_half,) if eager_mlp else (attention_half, mlp_half)
         regions = tuple(
-            torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
-            for fn in (attention_half, mlp_half)
+            torch.compile(fn, fullgraph=True, dynamic=False, backend=backend) for fn in compiled
         )
+        regions += (mlp_half,) * eager_mlp
         _CLASSES[key] = type(f"Regions{cls.__name__}", (_RegionForward, cls), {"_regions": regions})
     return _CLASSES[key]
 
 
 def compile_block(block: nn.Module, backend: str, regions: bool | None = None) -> None:
     """Compile ``block`` in place: whole (``nn.Module.compile``), or as two regions where the
-    engine holds a compiled backward's gradients (``regions`` None: this torch decides)."""
+    engine holds a compiled backward's gradients (``regions`` None: this torch decides).
+
+    A block whose mixture of experts is tiled (``memory.tiled_moe``) compiles its attention
+    half only: each MoE tile is an activation-checkpointed region, which the planner cannot
+    replay inside a compiled graph; the MoE's matmuls are grouped GEMMs and opaque ops, which a
+    compile would not fuse anyway."""
+    eager_mlp = any(is_tiled_moe(module) for module in moe_modules(block))
     if regions is None:
-        regions = engine_holds_gradients()
+        regions = engine_holds_gradients() or eager_mlp
     if regions:
-        block.__class__ = region_class(type(block), backend)
+        block.__class__ = region_class(type(block), backend, eager_mlp)
     else:
         block.compile(fullgraph=True, dynamic=False, backend=backend)

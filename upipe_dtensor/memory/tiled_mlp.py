@@ -21,13 +21,18 @@ opaque node per direction and cannot fuse the tiles back into whole-sequence ten
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from upipe_dtensor.kernels.fused import fused
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.kernels.tiling import tile_starts
+from upipe_dtensor.memory.swiglu_parts import (
+    grad_of_product_,
+    grad_of_silu_,
+    silu_times,
+    silu_times_,
+)
+from upipe_dtensor.memory.tiled_moe import moe_modules, tile_moe
 from upipe_dtensor.runtime.sharded_compute import gathered_input, local_weight, reduced_output
 
 
@@ -48,39 +53,10 @@ def tiled_swiglu_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, tile_tok
     for start in tile_starts(x_flat, x_flat.shape[0], tile_tokens):
         x_t = x_flat[start : start + tile_tokens]
         h = x_t @ w1.t()
-        _silu_times_(h, x_t @ w3.t())
+        silu_times_(h, x_t @ w3.t())
         torch.mm(h, w2.t(), out=out_flat[start : start + tile_tokens])
         del h
     return out
-
-
-@fused
-def _silu_times_(a: Tensor, b: Tensor) -> None:
-    """``a`` <- silu(a) * b, in place: the tile's hidden state."""
-    F.silu(a, inplace=True).mul_(b)
-
-
-@fused
-def _silu_times(a: Tensor, b: Tensor) -> Tensor:
-    """silu(a) * b, a new tensor (``a`` is still needed)."""
-    return F.silu(a) * b
-
-
-@fused
-def _grad_of_product_(grad_h: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """From the hidden state's gradient: returns d loss / d b = grad_h * silu(a), and turns
-    ``grad_h`` into d loss / d silu(a) = grad_h * b in place."""
-    grad_b = grad_h * F.silu(a)
-    grad_h.mul_(b)
-    return grad_b
-
-
-@fused
-def _grad_of_silu_(a: Tensor, grad_silu: Tensor) -> None:
-    """``a`` <- d loss / d a = grad_silu * silu'(a), in place, where
-    silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a)))."""
-    sig = torch.sigmoid(a)
-    a.mul_(1 - sig).add_(1).mul_(sig).mul_(grad_silu)
 
 
 def tiled_swiglu_backward(
@@ -97,11 +73,11 @@ def tiled_swiglu_backward(
         g_t = grad_flat[start : start + tile_tokens]
         a = x_t @ w1.t()
         b = x_t @ w3.t()
-        _accumulate(grad_w2, g_t.t(), _silu_times(a, b))
+        _accumulate(grad_w2, g_t.t(), silu_times(a, b))
         grad_h = g_t @ w2
-        grad_b = _grad_of_product_(grad_h, a, b)
+        grad_b = grad_of_product_(grad_h, a, b)
         del b
-        _grad_of_silu_(a, grad_h)
+        grad_of_silu_(a, grad_h)
         grad_a = a
         del a, grad_h
         rows = grad_x_flat[start : start + tile_tokens]
@@ -242,7 +218,8 @@ def _check_swiglu(module: nn.Module | None, path: str) -> None:
 
 
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int = 0) -> None:
-    """Run every ``model.layers[*].feed_forward`` over tiles of ``tile_tokens`` tokens.
+    """Run every ``model.layers[*].feed_forward`` over tiles of ``tile_tokens`` tokens; in a
+    mixture-of-experts block, the whole MoE over tiles of as many tokens (``memory.tiled_moe``).
 
     ``tile_tokens == 0`` picks the model width D, so the per-tile hidden state is the size of a
     weight matrix (ceil(tokens / D) tiles, as in DeepSpeed ALST). Apply before ``torch.compile``
@@ -260,8 +237,12 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int = 0) -> None:
             f"apply_tiled_mlp expects a torchtitan Transformer of a registered model family"
         )
     blocks = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
-    modules = []
+    modules, experts = [], []
     for name, block in blocks:
+        moe = moe_modules(block)
+        if moe:  # a mixture of experts, whose shared experts it runs inside
+            experts += moe
+            continue
         path = f"layers.{name}.feed_forward"
         module = getattr(block, "feed_forward", None)
         _check_swiglu(module, path)
@@ -270,3 +251,5 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int = 0) -> None:
         if not isinstance(module, _TiledForward):
             module.__class__ = tiled_mlp_class(type(module))
         module.tile_tokens = tile_tokens
+    for module in experts:
+        tile_moe(module, tile_tokens)

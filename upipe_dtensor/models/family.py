@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from upipe_dtensor.memory.tiled_mlp import register_swiglu_mlp
+from upipe_dtensor.memory.tiled_moe import register_moe
 from upipe_dtensor.models.generation import TORCHTITAN_VERSION, family_module
 from upipe_dtensor.models.long_context import LongContextModel
 from upipe_dtensor.parallel.attention_interface import (
@@ -43,7 +44,8 @@ class ModelFamily:
     attention_adapter: AttentionAdapter
     """How the CP styles read that module (``parallel.attention_interface``)."""
     mlp_class: type[nn.Module]
-    """torchtitan's bias-free SwiGLU MLP of the family (what ``memory.tiled_mlp`` tiles)."""
+    """torchtitan's bias-free SwiGLU MLP of the family, or its MoE block for a mixture of
+    experts (what ``memory.tiled_mlp`` tiles)."""
     hf_model_type: str
     """config.json's ``model_type``."""
     args_from_hf: Callable[[dict[str, Any], str], Any]
@@ -74,7 +76,10 @@ def register_family(family: ModelFamily) -> None:
     MLP for the tiled MLP."""
     FAMILIES[family.name] = family
     register_attention_adapter(family.attention_class, family.attention_adapter)
-    register_swiglu_mlp(family.mlp_class)
+    if family.mixture_of_experts:
+        register_moe(family.mlp_class)
+    else:
+        register_swiglu_mlp(family.mlp_class)
 
 
 def get_family(name: str) -> ModelFamily:

@@ -46,7 +46,7 @@ from upipe_dtensor.planning.replay import ComputationReplay
 from upipe_dtensor.planning.step_time import StepShape, StepTime, predict_step_time
 from upipe_dtensor.planning.step_work import StepWork, StepWorkCounter, refuse_unpriced
 from upipe_dtensor.planning.timeline import StepTimeline, expand
-from upipe_dtensor.planning.tracker import MODEL_STATES, LiveMemoryTracker, Peak
+from upipe_dtensor.planning.tracker import EXPERTS, MODEL_STATES, LiveMemoryTracker, Peak
 from upipe_dtensor.runtime.fake_process_group import init_fake_process_group
 from upipe_dtensor.runtime.group_backends import backend_device_types
 from upipe_dtensor.runtime.process_group import process_group_backend
@@ -186,6 +186,10 @@ class Plan:
     traced_layers: int = 0
     """Blocks of the model the step was traced on (fewer than ``n_layers``: a reduced-depth
     trace standing for the full one, ``planning.depth``)."""
+    experts_high_bytes: int = 0
+    """A mixture of experts' own buffers (routing, permuted tokens, experts' hidden states) at
+    their largest during the step, on the device: they peak inside an MoE block, rarely at the
+    step's peak. 0 for a dense model."""
 
     @property
     def fits_device(self) -> bool:
@@ -276,6 +280,11 @@ class Plan:
             )
         for label, nbytes in sorted(self.device_breakdown.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {label:<42s} {nbytes / GiB:8.2f} GiB")
+        if self.experts_high_bytes:
+            lines.append(
+                f"  {EXPERTS:<20s} : {self.experts_high_bytes / GiB:8.2f} GiB at most, during "
+                "an MoE block (router scores, permuted tokens, experts' hidden states)"
+            )
         lines += [
             f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB ({self.host_holds})",
             f"  host per node        : {self.host_per_node_bytes / GiB:8.2f} GiB of "
@@ -606,6 +615,7 @@ def plan_job(
         collectives=rehearsed.collective_counts(),
         n_layers=args.n_layers,
         traced_layers=reduction.traced_layers if reduction is not None else args.n_layers,
+        experts_high_bytes=peak.label_highs.get(EXPERTS, 0),
     )
 
 

@@ -57,6 +57,16 @@ _MATMULS = {
 _MATMULS.update({aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm})
 """Matmul ops -> the op whose formula counts them (torch's registry has no in-place variants)."""
 
+
+def grouped_mm_flops(a: torch.Tensor, out: torch.Tensor) -> float:
+    """A grouped GEMM's FLOPs (torch's registry has no formula): each output element sums
+    ``a``'s last dimension, (R, K) x (E, K, N) -> (R, N); in the weight-gradient form,
+    (M, R) x (R, N) -> (E, M, N), each of M x N sums over the expert's rows only, R in all."""
+    if out.dim() == 3 and a.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * out.shape[-1]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
 # overload packet -> (kernel family, query argument, is_causal argument, query layout, backward)
 _ATTENTION = {
     aten._flash_attention_forward: ("flash", 0, 8, "bshd", False),
@@ -437,6 +447,9 @@ class StepWorkCounter(TorchDispatchMode):
         if packet in _MATMULS:
             flops = flop_registry[_MATMULS[packet]](*args, **(kwargs or {}), out_val=out)
             work.matmul_flops += flops * weight
+            return out
+        if packet is aten._grouped_mm:
+            work.matmul_flops += grouped_mm_flops(args[0], out) * weight
             return out
         attention = attention_flops(func, args, kwargs)
         if attention is not None:

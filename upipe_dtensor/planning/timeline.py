@@ -115,13 +115,22 @@ def _play(devices: dict[str, _Device], period: _Period, times: int, name) -> Non
     """Play ``period`` ``times`` times in a row; ``name(when, copy)``: its marks' words."""
     net: dict[str, int] = defaultdict(int)
     net_labels: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    label_highs: dict[str, dict[str, int]] = defaultdict(dict)
     best: dict[str, tuple[int, str, dict[str, int]]] = {}
     for when, events in period.phases:
         for device, label, nbytes in events:
             net[device] += nbytes
             net_labels[device][label] += nbytes
+            highs = label_highs[device]
+            highs[label] = max(highs.get(label, 0), net_labels[device][label])
             if device not in best or net[device] > best[device][0]:
                 best[device] = (net[device], when, dict(net_labels[device]))
+    for device, highs in label_highs.items():
+        state = devices.setdefault(device, _Device())
+        for label, high in highs.items():
+            growth = net_labels[device][label]
+            top = state.labels[label] + (times - 1) * max(growth, 0) + high
+            state.peak.label_highs[label] = max(state.peak.label_highs.get(label, 0), top)
     for device, (high, when, labels_then) in best.items():
         state = devices.setdefault(device, _Device())
         copy = times - 1 if net[device] > 0 else 0  # the highest copy (module docstring)
@@ -132,7 +141,7 @@ def _play(devices: dict[str, _Device], period: _Period, times: int, name) -> Non
                 labels[label] = labels.get(label, 0) + copy * nbytes
             for label, nbytes in labels_then.items():
                 labels[label] = labels.get(label, 0) + nbytes
-            state.peak = Peak(candidate, name(when, copy), labels)
+            state.peak = Peak(candidate, name(when, copy), labels, state.peak.label_highs)
         state.total += times * net[device]
         for label, nbytes in net_labels[device].items():
             state.labels[label] += times * nbytes
@@ -145,7 +154,9 @@ def expand(timeline: StepTimeline, reduction: DepthReduction) -> Expanded:
     periods = _periods(timeline, reduction)
     first_when = reduction.rename(periods[0].phases[0][0]) if periods else ""
     for device, (total, labels) in timeline.start.items():
-        devices[device] = _Device(total, defaultdict(int, labels), Peak(total, first_when, labels))
+        devices[device] = _Device(
+            total, defaultdict(int, labels), Peak(total, first_when, labels, dict(labels))
+        )
     end = timeline.events[-1]
     work, report = end.work, end.report
     for period in periods:

@@ -53,9 +53,18 @@ kept while a checkpoint group recomputes."""
 GRADIENTS = "activation gradients"
 """Gradients autograd passes between ops (e.g. of a block's output and its residual stream),
 allocated by torch's C++ autograd functions rather than by this project's code."""
+EXPERTS = "mixture of experts"
+"""An MoE block's own tensors: the router's scores and routing map, the tokens permuted to the
+experts and back, the experts' hidden states (``memory.tiled_moe`` tiles them all)."""
 FUSED = "compiled kernels"
 """Compiled blocks' fused kernel outputs: residual sums, fused norms (``planning.compiled``)."""
 
+_MOE_SOURCES = (
+    "upipe_dtensor/memory/tiled_moe.py",
+    "upipe_dtensor/memory/grouped_swiglu.py",
+    "torchtitan/models/common/moe.py",
+    "torchtitan/models/common/token_dispatcher.py",
+)
 # (path suffix, function name or None for any) -> label; the innermost matching frame wins.
 # Checkpoint recompute is triggered from inside whichever backward first needs a saved tensor:
 # the walk stops there, so a recomputed block is not charged to that backward.
@@ -64,6 +73,7 @@ _RULES: tuple[tuple[str, str | None, str], ...] = (
     ("torch/utils/checkpoint.py", "recompute_fn", _STOP),
     ("upipe_dtensor/parallel/", None, ATTENTION),  # every CP style, its ops, ring and exchanges
     ("upipe_dtensor/memory/tiled_mlp.py", None, MLP),
+    *((path, None, EXPERTS) for path in _MOE_SOURCES),
     ("torchtitan/models/llama3/model/model.py", "forward", None),  # resolved by qualname below
     ("upipe_dtensor/memory/chunked_loss.py", None, LOSS),
     ("upipe_dtensor/memory/rms_norm.py", None, NORMS),
@@ -186,6 +196,9 @@ class Peak:
     bytes: int = 0
     when: str = ""
     by_label: dict[str, int] = field(default_factory=dict)
+    label_highs: dict[str, int] = field(default_factory=dict)
+    """Each label's own largest live bytes during the step, whenever it was (an MoE block's
+    buffers peak inside the block, not at the step's peak)."""
 
 
 class LiveMemoryTracker(TorchDispatchMode):
@@ -231,7 +244,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         from the current totals."""
         self._setup = False
         for device, total in self.totals.items():
-            self.peaks[device] = Peak(total, self.when, dict(self.by_label[device]))
+            labels = dict(self.by_label[device])
+            self.peaks[device] = Peak(total, self.when, labels, dict(labels))
         if self.timeline is not None:
             self.timeline.begin(self.when, self.totals, self.by_label)
 
@@ -253,6 +267,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.totals[device] += nbytes
         self.by_label[device][label] += nbytes
         peak = self.peaks[device]
+        if self.by_label[device][label] > peak.label_highs.get(label, 0):
+            peak.label_highs[label] = self.by_label[device][label]
         if self.totals[device] > peak.bytes:
             peak.bytes, peak.when = self.totals[device], self.when
             peak.by_label = dict(self.by_label[device])

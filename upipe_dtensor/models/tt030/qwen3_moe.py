@@ -4,10 +4,11 @@ every block (token-choice top-k softmax router, grouped experts, auxiliary-loss-
 balancing by an expert bias), built by torchtitan's own layer builder
 (``_build_qwen3_moe_layers``) with separate ``wq``/``wk``/``wv``.
 
-One change to torchtitan's layer: the grouped experts compute in the activations' dtype
-(``GroupedExpertsInInputDtype``). Under FSDP's bf16 mixed precision that is torchtitan's bf16;
-in float32 it keeps float32, where torchtitan would round the experts to bf16 (so no float32
-check against ``transformers`` or float64 could pass). Every token goes to its top-k experts
+One change to torchtitan's layer: the grouped experts run as ``memory.grouped_swiglu`` computes
+them (``RecomputedGroupedExperts``), in the activations' dtype and without keeping their hidden
+states for backward. Under FSDP's bf16 mixed precision that dtype is torchtitan's bf16; in
+float32 it stays float32, where torchtitan would round the experts to bf16 (so no float32 check
+against ``transformers`` or float64 could pass). Every token goes to its top-k experts
 (torchtitan's ``LocalTokenDispatcher`` drops none).
 """
 
@@ -17,12 +18,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torchtitan.models.common import Embedding, Linear
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.qwen3 import (
     _EMBEDDING_INIT,
     _LINEAR_INIT,
@@ -34,17 +32,20 @@ from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
+from upipe_dtensor.memory.grouped_swiglu import GroupedSwiGLUForward
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
 from upipe_dtensor.models.tt030 import Decoder030, HalfFrequencyRoPE, with_norm_eps
 from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
-from upipe_dtensor.models.tt030.qwen3 import ATTENTION_CLASS, MLP_CLASS, Qwen3Args, Qwen3Block
+from upipe_dtensor.models.tt030.qwen3 import ATTENTION_CLASS, Qwen3Args, Qwen3Block
 
-__all__ = ["ATTENTION_CLASS", "MLP_CLASS"]
+__all__ = ["ATTENTION_CLASS"]
 
 ATTENTION_ADAPTER = GQA_ADAPTER
 """Qwen3's attention: the dense family's adapter."""
 HF_ROPE_PERMUTED: tuple[str, ...] = ()
 MIXTURE_OF_EXPERTS = True
+MLP_CLASS = MoE
+"""torchtitan's MoE block (what ``memory.tiled_moe`` tiles)."""
 
 
 @dataclass
@@ -68,24 +69,14 @@ class Qwen3MoeArgs(Qwen3Args):
         )
 
 
-class GroupedExpertsInInputDtype(GroupedExperts):
-    """torchtitan's ``GroupedExperts`` computing in the dtype of the tokens it is given, where
-    torchtitan's always casts to bf16 (module docstring); the same three grouped matmuls."""
+class RecomputedGroupedExperts(GroupedSwiGLUForward, GroupedExperts):
+    """torchtitan's ``GroupedExperts`` (its weights, its initialisation) computed by
+    ``memory.grouped_swiglu``: in the dtype of the tokens it is given, where torchtitan's always
+    casts to bf16 (module docstring), and without keeping hidden states for backward."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
         pass
-
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (
-            w.to_local() if isinstance(w, DTensor) else w
-            for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
-        )
-        w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1, w2, w3))
-        offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        gate = self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offsets)
-        up = self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offsets)
-        return self._grouped_mm(A=F.silu(gate) * up, B_t=w2.transpose(-2, -1), offs=offsets)
 
 
 def _torchtitan_flavor(name: str) -> Qwen3MoeArgs:
@@ -153,7 +144,7 @@ def model_config(args: Qwen3MoeArgs) -> Qwen3Model.Config:
         moe.router.route_norm = args.route_norm
         moe.load_balance_coeff = args.load_balance_coeff
         experts = moe.routed_experts.inner_experts
-        moe.routed_experts.inner_experts = GroupedExpertsInInputDtype.Config(
+        moe.routed_experts.inner_experts = RecomputedGroupedExperts.Config(
             **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)}
         )
         blocks.append(
