@@ -311,3 +311,69 @@ def test_other_spmd_backends_are_refused_and_tensor_parallel_heads_checked() -> 
                        r"query heads \(32\) and the KV heads \(8\)[^\n]*dividing 8$"):  # fmt: skip
         make_cp_style(attention, config.upipe, 2, config.training.seq_len, 16)
     make_cp_style(attention, config.upipe, 2, config.training.seq_len, 8)  # 1 KV head per rank
+
+
+MOE_STEPS = 4
+
+
+def _moe_runs(rank: int, world_size: int, common: list[str], seed: Path, out: Path) -> None:
+    """torchtitan's ``qwen3_moe_debug`` on 2 ranks through the plug-in: UPipe at cp 2 with
+    every MoE block tiled (``--upipe.tiled_mlp``), and at cp 2 with its experts over ep 2."""
+    plugin = [
+        f"--module={PLUGIN}",
+        *common,
+        "--parallelism.context_parallel_degree=2",
+        f"--checkpoint.initial_load_path={seed}",
+        "--upipe.heads_per_stage=8",
+    ]
+    runs = {}
+    with torchtitan_on_cpu(rank):
+        runs["upipe, tiled MoE"] = _train(
+            [*plugin, "--upipe.tiled_mlp", "--checkpoint.folder=upipe"]
+        )
+        runs["upipe, ep 2"] = _train(
+            [
+                *plugin,
+                "--parallelism.expert_parallel_degree=2",
+                "--training.disable_cuda_graphs",
+                "--checkpoint.folder=upipe_ep",
+            ]
+        )
+    if rank == 0:
+        out.write_text(json.dumps(runs))
+
+
+def _moe_baseline(rank: int, world_size: int, common: list[str], seed: Path, out: Path) -> None:
+    with torchtitan_on_cpu(rank):
+        trainer = _build(["--module=qwen3", *common, "--checkpoint.create_seed_checkpoint"])
+        trainer.checkpointer.save(curr_step=0, last_step=True)
+        trainer.close()
+        losses = _train(
+            [
+                "--module=qwen3",
+                *common,
+                f"--checkpoint.initial_load_path={seed}",
+                "--checkpoint.folder=baseline",
+            ]
+        )
+    out.write_text(json.dumps(losses))
+
+
+def test_the_moe_debug_model_with_upipe_equals_torchtitan_without_cp(tmp_path: Path) -> None:
+    """torchtitan's Qwen3-MoE debug model (8 blocks of 64 experts, top 8) trained through the
+    plug-in with UPipe, its MoE blocks tiled, and with expert parallelism: torchtitan's own
+    losses without CP, step by step."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ROOT / "assets" / "corpus" / "stdlib_docs.jsonl", data)
+    common = _common_args(data, tmp_path / "dump")
+    common[0] = "--config=qwen3_moe_debug"
+    common[common.index(f"--training.steps={STEPS}")] = f"--training.steps={MOE_STEPS}"
+    seed = tmp_path / "dump" / "checkpoint" / "step-0"
+    run_on_ranks(1, _moe_baseline, common, seed, tmp_path / "baseline.json")
+    baseline = json.loads((tmp_path / "baseline.json").read_text())
+    run_on_ranks(2, _moe_runs, common, seed, tmp_path / "plugin.json")
+    runs = json.loads((tmp_path / "plugin.json").read_text())
+    assert len(baseline) == MOE_STEPS and baseline[-1] < baseline[0]
+    for name, losses in runs.items():
+        assert losses == pytest.approx(baseline, rel=1e-4, abs=0), (name, losses, baseline)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,8 +127,7 @@ def parallelize_with_style(
         apply_tiled_mlp(model, settings.mlp_tile_tokens)
     if settings.tiled_rms_norm:
         apply_tiled_rms_norm(model, settings.norm_tile_tokens)
-    if tp > 1:
-        _take_sequence_parallel_inputs(model, settings.tiled_mlp)
+    _drop_replaced_sharding(model, parallel_dims.cp_enabled, settings.tiled_mlp and tp > 1)
     compile_config = options["compile_config"]
     if compile_config.enable and compile_config.backend == "inductor":
         register_inductor_fallbacks()
@@ -140,14 +140,19 @@ def parallelize_with_style(
     )
 
 
-def _take_sequence_parallel_inputs(model: nn.Module, tiled_mlp: bool) -> None:
-    """Under tensor parallelism, the modules this plug-in computes itself (the styles' attention,
-    the tiled MLP) take their input as the block hands it on, sequence-parallel, and gather it
-    themselves (``runtime.sharded_compute``): torchtitan's module-level sharding config of them
-    (an all-gather of the input, and, for the MLP's output, what its row-wise ``w2`` would do) is
-    dropped before ``model.parallelize`` installs it; their weights keep theirs."""
+def _drop_replaced_sharding(model: nn.Module, attention: bool, mlp: bool) -> None:
+    """torchtitan's module-level sharding config of the modules this plug-in computes itself,
+    dropped before ``model.parallelize`` (run under tensor or expert parallelism) wraps their
+    forwards with it; their weights keep theirs. The styles' ``attention`` takes the arguments
+    its adapter reads (torchtitan's wrapper renames them by the forward's signature) and, under
+    tensor parallelism, its input as the block hands it on, sequence-parallel, gathering it
+    itself (``runtime.sharded_compute``), as the tiled ``mlp`` does under tensor parallelism
+    (torchtitan's config would all-gather the input, and reduce the output as its row-wise
+    ``w2`` would)."""
     for block in model.layers.values():
-        replaced = [block.attention] + ([block.feed_forward] if tiled_mlp else [])
+        replaced = [block.attention] * attention
+        if mlp and not getattr(block, "moe_enabled", False):  # an MoE keeps its EP layouts
+            replaced.append(block.feed_forward)
         for module in replaced:
             module._sharding_config = None
 
@@ -261,7 +266,10 @@ def upipe_config_functions() -> dict[str, Callable[[], UPipeTrainer.Config]]:
     project registers (``torchtitan.models.<family>.config_registry``'s ``<family>_*``)."""
     functions = {}
     for family in FAMILIES:
-        registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
+        module = f"torchtitan.models.{family}"
+        if importlib.util.find_spec(module) is None:  # qwen3_moe: in torchtitan's qwen3
+            continue
+        registry = importlib.import_module(f"{module}.config_registry")
         for name in dir(registry):
             function = getattr(registry, name)
             if name.startswith(f"{family}_") and callable(function):
