@@ -53,7 +53,7 @@ def test_recipes_are_real_jobs() -> None:
     Timing runs take ``benchmarks/timing_overrides.py`` instead."""
     stand_in = build_tokenizer(str(REPO / "assets/tokenizer"))
     recipes = [p for p in RECIPES if "recipes" in p.parts]
-    assert len(recipes) == 63
+    assert len(recipes) == 64
     for recipe in recipes:
         config = parse_args(["--config", str(recipe)])
         training, checkpoint = config.training, config.checkpoint
