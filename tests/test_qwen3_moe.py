@@ -103,8 +103,9 @@ def _reference(folder: Path, rows: list[torch.Tensor], probe: torch.Tensor):
 
 def _on_ranks(rank: int, world: int, dump: str, hf: str, cases: list) -> None:
     failures = []
-    for style, documents, tiled, tokens, probe, expected, grads, counts in cases:
+    for style, documents, tiled, ep, tokens, probe, expected, grads, counts in cases:
         extra = ["--parallelism.cp_style", style, "--checkpoint.enable", "false"]
+        extra += ["--parallelism.expert_parallel_degree", str(ep)]
         if tiled:  # 3 tiles of 11 tokens per rank
             extra += ["--memory.tiled_mlp", "true", "--memory.mlp_tile_tokens", "11"]
         if documents:
@@ -135,9 +136,11 @@ def _on_ranks(rank: int, world: int, dump: str, hf: str, cases: list) -> None:
         assert torch.equal(tokens_per_expert, expected_counts), (style, tokens_per_expert, counts)
         worst = max(errors, key=errors.get)
         if errors[worst] > 1e-4:
-            failures.append(f"{style} {documents=} {tiled=}: {worst} rel err {errors[worst]:.2e}")
+            failures.append(f"{style} {documents=} {tiled=} {ep=}: {worst} {errors[worst]:.2e}")
         if rank == 0:
-            print(f"Qwen3-MoE {style} {documents=} {tiled=}: worst {worst} {errors[worst]:.2e}")
+            print(
+                f"Qwen3-MoE {style} {documents=} {tiled=} {ep=}: worst {worst} {errors[worst]:.2e}"
+            )
     assert not failures, "\n".join(failures)
 
 
@@ -152,15 +155,17 @@ def test_logits_every_gradient_and_expert_counts_equal_transformers(
     causal = _reference(moe_folder, [tokens[0]], probe)
     documents = _reference(moe_folder, [first, second], probe)
     cases = [
-        ("upipe", False, False, tokens, probe, *causal),
-        ("ulysses", False, True, tokens, probe, *causal),
-        ("upipe", True, False, packed, probe, *documents),
+        ("upipe", False, False, 1, tokens, probe, *causal),
+        ("ulysses", False, True, 1, tokens, probe, *causal),
+        ("upipe", True, False, 1, packed, probe, *documents),
+        ("upipe", False, False, 2, tokens, probe, *causal),
+        ("ulysses", True, True, 2, packed, probe, *documents),
     ]
     run_on_ranks(2, _on_ranks, str(tmp_path), str(moe_folder), cases)
 
 
-def _train(rank: int, world: int, dump: str, out: str) -> None:
-    config = _trainer_config(Path(dump), world, ["--config", str(MOE_DEBUG)])
+def _train(rank: int, world: int, dump: str, out: str, extra: list[str]) -> None:
+    config = _trainer_config(Path(dump), world, ["--config", str(MOE_DEBUG), *extra])
     trainer = Trainer(config)
     losses = trainer.train()
     biases = [block.moe.expert_bias_E.tolist() for block in trainer.model.layers.values()]
@@ -168,21 +173,24 @@ def _train(rank: int, world: int, dump: str, out: str) -> None:
         Path(out).write_text(json.dumps({"losses": losses, "biases": biases}))
 
 
-def _run(tmp: Path, cp: int) -> dict:
-    out = tmp / f"cp{cp}.json"
-    run_on_ranks(cp, _train, str(tmp / f"cp{cp}"), str(out))
+def _run(tmp: Path, name: str, cp: int, *extra: str) -> dict:
+    out = tmp / f"{name}.json"
+    run_on_ranks(cp, _train, str(tmp / name), str(out), list(extra))
     return json.loads(out.read_text())
 
 
 def test_the_moe_debug_job_trains_and_balances_its_experts_as_on_one_rank(tmp_path: Path) -> None:
-    """train_configs/qwen3_moe_debug.toml (UPipe) on 2 ranks: the losses of one rank within
-    1e-5 and falling, and the same expert biases after 4 steps of torchtitan's load balancing
-    (each step's tokens per expert summed over the ranks), which did move them."""
-    one, two = _run(tmp_path, 1), _run(tmp_path, 2)
-    for step, (a, e) in enumerate(zip(two["losses"], one["losses"], strict=True), 1):
-        assert abs(a - e) <= 1e-5 * abs(e), f"step {step}: {a} vs {e}"
+    """train_configs/qwen3_moe_debug.toml (UPipe) on 2 ranks, and with its experts over ep 2 and
+    its blocks compiled (the attention halves; the MoE halves eager): the losses of one rank
+    within 1e-5 and falling, and the same expert biases after 4 steps of torchtitan's load
+    balancing (each step's tokens per expert summed over the ranks), which did move them."""
+    one = _run(tmp_path, "cp1", 1)
+    ep = ("--parallelism.expert_parallel_degree", "2", "--compile.enable", "true")
+    for run in (_run(tmp_path, "cp2", 2), _run(tmp_path, "cp2-ep2", 2, *ep)):
+        for step, (a, e) in enumerate(zip(run["losses"], one["losses"], strict=True), 1):
+            assert abs(a - e) <= 1e-5 * abs(e), f"step {step}: {a} vs {e}"
+        assert run["biases"] == one["biases"]
     assert one["losses"][-1] < one["losses"][0]
-    assert two["biases"] == one["biases"]
     assert all(any(bias) for bias in one["biases"])
 
 

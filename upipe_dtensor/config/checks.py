@@ -54,6 +54,7 @@ def _check_positive(config: JobConfig, fail) -> None:
         ("parallelism", "context_parallel_degree", 1),
         ("parallelism", "ring_degree", 1),
         ("parallelism", "tensor_parallel_degree", 1),
+        ("parallelism", "expert_parallel_degree", 1),
         ("lr_scheduler", "warmup_steps", 0),
         ("checkpoint", "interval", 1),
         ("checkpoint", "keep_latest_k", 0),
@@ -151,6 +152,37 @@ def _check_context_parallel(config: JobConfig, args, fail) -> None:
             key for name in err.names for key in _GEOMETRY_KEYS.get(name, (f"parallelism.{name}",))
         ]
         fail(f"[parallelism] cp_style {style!r}{on}: {err}", *keys)
+
+
+def _check_expert_parallel(config: JobConfig, args, token_ranks: int, fail) -> None:
+    """[parallelism] expert_parallel_degree: a mixture of experts' experts over groups of
+    ranks that hold other tokens (dp_shard x cp), each group holding every expert once."""
+    ep, key = config.parallelism.expert_parallel_degree, "parallelism.expert_parallel_degree"
+    if ep == 1:
+        return
+    if not family_of(args).mixture_of_experts:
+        fail(
+            f"[parallelism] expert_parallel_degree = {ep}: {config.model.name} has no experts; "
+            "set expert_parallel_degree = 1",
+            key,
+            "model.name",
+        )
+    if token_ranks % ep:
+        fail(
+            f"[parallelism] expert_parallel_degree = {ep} does not divide the {token_ranks} "
+            "ranks of data_parallel_shard_degree x context_parallel_degree it is taken from; "
+            f"use one of {[d for d in range(1, token_ranks + 1) if token_ranks % d == 0]}",
+            key,
+            "parallelism.context_parallel_degree",
+            "parallelism.data_parallel_shard_degree",
+        )
+    if args.num_experts % ep:
+        fail(
+            f"[parallelism] expert_parallel_degree = {ep} does not divide the model's "
+            f"{args.num_experts} experts; use a divisor of {args.num_experts}",
+            key,
+            "model.flavor",
+        )
 
 
 def _check_sources(config: JobConfig, fail) -> None:
@@ -384,6 +416,7 @@ def check_job(config: JobConfig, world_size: int) -> int:
         args = model_args(config.model, training.seq_len)
     except ValueError as err:
         fail(str(err), *model_keys)
+    _check_expert_parallel(config, args, dp * cp, fail)
     if tp > 1 and family_of(args).mixture_of_experts:
         fail(
             f"[parallelism] tensor_parallel_degree = {tp}: the {config.model.name} family's "

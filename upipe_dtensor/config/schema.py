@@ -194,6 +194,12 @@ class Parallelism:
     T ranks (the innermost mesh dimension: one node's NVLink), the activations between blocks
     sequence-parallel (each of the T ranks holds 1/T of its CP shard's tokens); the CP style runs
     over cp on each rank's heads. T divides the query and the KV heads, and seq_len / C."""
+    expert_parallel_degree: int = 1
+    """E > 1: a mixture of experts' experts split over groups of E ranks borrowed from
+    dp_shard x cp (consecutive ranks: inside one sequence's head axis first), each group's tokens
+    sent to the ranks holding their experts and back (all-to-all), as torchtitan composes expert
+    parallelism; FSDP2 shards each rank's experts over the ranks outside its group. E divides
+    dp_shard x C and the number of experts."""
     attention_backend: Literal["auto", "fa3", "fa4", "cudnn", "flash", "sdpa"] = "auto"
     """Local attention kernel: 'fa3' FlashAttention-3 (Hopper) and 'fa4' FlashAttention-4 (Hopper,
     Blackwell) through torch's flash-attention registry, 'cudnn' aten's cuDNN attention (no

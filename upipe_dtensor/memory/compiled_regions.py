@@ -97,15 +97,19 @@ def region_class(cls: type[nn.Module], backend: str, eager_mlp: bool = False) ->
     return _CLASSES[key]
 
 
-def compile_block(block: nn.Module, backend: str, regions: bool | None = None) -> None:
+def compile_block(
+    block: nn.Module, backend: str, regions: bool | None = None, eager_mlp: bool = False
+) -> None:
     """Compile ``block`` in place: whole (``nn.Module.compile``), or as two regions where the
     engine holds a compiled backward's gradients (``regions`` None: this torch decides).
 
-    A block whose mixture of experts is tiled (``memory.tiled_moe``) compiles its attention
-    half only: each MoE tile is an activation-checkpointed region, which the planner cannot
-    replay inside a compiled graph; the MoE's matmuls are grouped GEMMs and opaque ops, which a
-    compile would not fuse anyway."""
-    eager_mlp = any(is_tiled_moe(module) for module in moe_modules(block))
+    A block whose mixture of experts is tiled (``memory.tiled_moe``) or exchanges its tokens
+    between ranks (``eager_mlp``: expert parallelism, whose all-to-all sizes come from the host)
+    compiles its attention half only: each MoE tile is an activation-checkpointed region, which
+    the planner cannot replay inside a compiled graph, and a host-sized exchange would break a
+    fullgraph compile; the MoE's matmuls are grouped GEMMs and opaque ops, which a compile would
+    not fuse anyway."""
+    eager_mlp = eager_mlp or any(is_tiled_moe(module) for module in moe_modules(block))
     if regions is None:
         regions = engine_holds_gradients() or eager_mlp
     if regions:

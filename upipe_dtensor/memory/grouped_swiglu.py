@@ -18,13 +18,21 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.kernels.op_mode import OpSpec, call
-from upipe_dtensor.memory.swiglu_parts import (
-    grad_of_product_,
-    grad_of_silu_,
-    silu_times,
-    silu_times_,
-)
+from upipe_dtensor.memory import swiglu_parts
 from upipe_dtensor.runtime.torch_private import is_fake
+
+# The elementwise parts unfused: how many rows an expert-parallel rank receives changes with the
+# routing at every step and block, and the fused kernels are compiled for static shapes
+# (``kernels.fused``), so each new count would compile again.
+silu_times_, silu_times, grad_of_product_, grad_of_silu_ = (
+    part.__wrapped__
+    for part in (
+        swiglu_parts.silu_times_,
+        swiglu_parts.silu_times,
+        swiglu_parts.grad_of_product_,
+        swiglu_parts.grad_of_silu_,
+    )
+)
 
 
 def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:

@@ -61,6 +61,9 @@ class ModelFamily:
     wk: torchtitan rotates interleaved pairs, HF the halves); the adapter permutes them."""
     mixture_of_experts: bool = False
     """Its blocks' MLPs are torchtitan's ``MoE`` (router, grouped experts), not a SwiGLU MLP."""
+    expert_parallel: Callable[[nn.Module, Any], list[nn.Module]] | None = None
+    """``(model, (efsdp, ep) mesh) ->`` its experts split over ``ep``, the grouped-experts
+    modules returned for FSDP2 over ``efsdp`` (a mixture of experts only)."""
     hf_extra_fields: Callable[[Any], dict[str, Any]] | None = None
     """``args ->`` the config.json fields of the family's shape beyond the dense decoder's
     (``models.hf_config.shape_fields``), such as a mixture of experts' counts."""
@@ -143,6 +146,7 @@ def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
             state_dict_adapter=module.hf_adapter,
             hf_rope_permuted=module.HF_ROPE_PERMUTED,
             mixture_of_experts=getattr(module, "MIXTURE_OF_EXPERTS", False),
+            expert_parallel=getattr(module, "EXPERT_PARALLEL", None),
             hf_extra_fields=getattr(module, "hf_extra_fields", None),
         )
     )

@@ -533,6 +533,14 @@ def plan_job(
     ``full_trace`` traces every block and runs every attention computation in full
     (``planning.replay``). ``traces``: a search's cache of traced steps.
     """
+    ep = config.parallelism.expert_parallel_degree
+    if ep > 1:  # the exchange's sizes come from the routing, which fake tensors do not have
+        raise ConfigError(
+            f"[parallelism] expert_parallel_degree = {ep}: the planner does not plan expert "
+            "parallelism yet (how many tokens each rank receives depends on the routing); plan "
+            "with --parallelism.expert_parallel_degree 1, every expert FSDP-sharded over all "
+            "the ranks"
+        )
     budget = budget or Budget()
     parallelism = config.parallelism
     world_size = world_size or parallelism.world_size

@@ -32,6 +32,7 @@ from upipe_dtensor.memory.kept_attention import KeptAttention
 from upipe_dtensor.memory.offload import HostOffload, apply_activation_checkpointing
 from upipe_dtensor.memory.rms_norm import apply_tiled_rms_norm
 from upipe_dtensor.memory.tiled_mlp import apply_tiled_mlp
+from upipe_dtensor.models import family_of
 from upipe_dtensor.models.long_context import ForwardPlan
 from upipe_dtensor.models.tensor_parallel import apply_tensor_parallel
 from upipe_dtensor.parallel import ContextParallelAttention
@@ -138,8 +139,9 @@ def apply_compile(model: nn.Module, config: JobConfig) -> None:
     keeps on 2.13 (``memory.compiled_regions``)."""
     if config.compile.backend == "inductor":
         register_inductor_fallbacks()
+    exchanges_tokens = config.parallelism.expert_parallel_degree > 1
     for block in model.layers.values():
-        compile_block(block, config.compile.backend)
+        compile_block(block, config.compile.backend, eager_mlp=exchanges_tokens)
 
 
 def compile_report(backend: str) -> str:
@@ -162,7 +164,13 @@ def apply_fsdp(
     config: JobConfig,
     device: torch.device,
     mixed_precision: bool,
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
+    """FSDP2 over ``mesh`` (dp_shard x cp): each block, the head, the rest. Expert-parallel
+    ``experts`` are sharded first over ``expert_mesh`` (the ranks outside their ep group), with
+    their gradients divided by all of dp_shard x cp as every other weight's: each rank's holds
+    the tokens of its whole ep group, so their sum over ``expert_mesh`` is over every token."""
     training = config.training
     if mixed_precision:
         # No cast of the units' floating inputs: the blocks' activations already arrive in the
@@ -180,6 +188,9 @@ def apply_fsdp(
         CPUOffloadPolicy(pin_memory=device.type == "cuda") if training.enable_cpu_offload else None
     )
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    for module in experts:
+        fully_shard(module, mesh=expert_mesh, mp_policy=mp_policy, offload_policy=offload)
+        module.set_gradient_divide_factor(float(mesh.size()))
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         shard(block, reshard_after_forward=reshards_after_forward(config, index, len(blocks)))
@@ -206,6 +217,11 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
     if setup.tp > 1:  # the tiled MLP gathers its own input (``models.tensor_parallel``)
         apply_tensor_parallel(model, setup.meshes.tp, logits=False)
     cp_style = apply_context_parallel(model, setup)
+    ep = config.parallelism.expert_parallel_degree
+    expert_meshes, experts = None, []
+    if ep > 1:
+        expert_meshes = setup.meshes.experts(ep)
+        experts = family_of(setup.args).expert_parallel(model, expert_meshes)
     compiled = config.compile
     use_fused_backend(compiled.backend if compiled.enable and compiled.fuse_tiles else None)
     if compiled.enable:
@@ -230,7 +246,15 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
                     block = model.layers[name]
                     block = getattr(block, "_checkpoint_wrapped_module", block)
                     cp_style.kept.expect_recomputes(block.attention, 2)
-    apply_fsdp(model, setup.meshes.fsdp, config, device, setup.mixed_precision)
+    apply_fsdp(
+        model,
+        setup.meshes.fsdp,
+        config,
+        device,
+        setup.mixed_precision,
+        experts=experts,
+        expert_mesh=expert_meshes["efsdp"] if expert_meshes is not None else None,
+    )
     forward_plan = ForwardPlan(
         loss_chunk_tokens=config.memory.loss_chunk_tokens if config.memory.chunked_loss else 0,
         checkpoint_groups=groups,

@@ -39,6 +39,16 @@ class ParallelMeshes:
         """The T tensor-parallel ranks of one context-parallel rank."""
         return self.world["tp"]
 
+    def experts(self, ep: int) -> DeviceMesh:
+        """The (efsdp, ep) mesh of expert parallelism over every rank (no tensor parallelism):
+        groups of ``ep`` consecutive ranks, the innermost axes of dp_shard x cp (a sequence's
+        head ranks first), hold every expert once between them; ``efsdp`` strides across the
+        groups (``models.tt030.expert_parallel``)."""
+        world = self.world
+        return init_device_mesh(
+            world.device_type, (world.size() // ep, ep), mesh_dim_names=("efsdp", "ep")
+        )
+
     @property
     def dp_shard(self) -> DeviceMesh:
         return self.world["dp_shard"]

@@ -199,7 +199,13 @@ class Trainer:
             (shard_sum * fsdp.size() / tokens).backward()
             loss_sum += shard_sum.detach()
         max_norm = self.config.training.max_norm
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
+        # Expert-parallel experts live on their own mesh: torchtitan sums their norm apart.
+        expert_parallel = (
+            {"ep_enabled": True} if self.config.parallelism.expert_parallel_degree > 1 else {}
+        )
+        grad_norm = clip_grad_norm_(
+            self.model.parameters(), max_norm if max_norm > 0 else math.inf, **expert_parallel
+        )
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

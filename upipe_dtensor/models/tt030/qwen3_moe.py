@@ -36,6 +36,7 @@ from upipe_dtensor.memory.grouped_swiglu import GroupedSwiGLUForward
 from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
 from upipe_dtensor.models.tt030 import Decoder030, HalfFrequencyRoPE, with_norm_eps
 from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
+from upipe_dtensor.models.tt030.expert_parallel import apply_expert_parallel
 from upipe_dtensor.models.tt030.qwen3 import ATTENTION_CLASS, Qwen3Args, Qwen3Block
 
 __all__ = ["ATTENTION_CLASS"]
@@ -44,6 +45,8 @@ ATTENTION_ADAPTER = GQA_ADAPTER
 """Qwen3's attention: the dense family's adapter."""
 HF_ROPE_PERMUTED: tuple[str, ...] = ()
 MIXTURE_OF_EXPERTS = True
+EXPERT_PARALLEL = apply_expert_parallel
+"""How the family's experts split over an ``ep`` mesh (``models.tt030.expert_parallel``)."""
 MLP_CLASS = MoE
 """torchtitan's MoE block (what ``memory.tiled_moe`` tiles)."""
 
