@@ -92,6 +92,8 @@ FAKE_TENSOR_BRANCHES = {
     "values",
     "upipe_dtensor.runtime.host_store.is_pinned": "a rehearsal's stand-ins have no pinned storage",
     "upipe_dtensor.models.long_context.init_sharded_weights": "fake parameters have no values",
+    "upipe_dtensor.memory.grouped_swiglu.grouped_mm": "torch's meta grouped GEMM takes bf16 only "
+    "while its CPU kernel computes float32: fake float32 tokens get the output's shape",
 }
 """Every function below ``planning`` that asks whether a tensor is fake, and why: a branch the
 fake tensors need to run at all, or the planner's accounting through its one named entry."""

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.kernels.op_mode import OpSpec, call
 from upipe_dtensor.memory import swiglu_parts
+from upipe_dtensor.runtime import torch_private
 from upipe_dtensor.runtime.torch_private import is_fake
 
 # The elementwise parts unfused: how many rows an expert-parallel rank receives changes with the
@@ -46,7 +47,7 @@ def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
         if b.dim() == 3:
             return a.new_empty(a.shape[0], b.shape[-1])
         return a.new_empty(offsets.shape[0], a.shape[0], b.shape[-1])
-    return torch._grouped_mm(a, b, offs=offsets)
+    return torch_private.grouped_mm(a, b, offs=offsets)
 
 
 def grouped_swiglu_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, offsets: Tensor):

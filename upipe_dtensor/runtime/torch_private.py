@@ -113,6 +113,10 @@ current_graph_task_id = torch._C._current_graph_task_id
 """-1 outside a backward pass, the running backward's id inside one (memory.kept_attention,
 planning.step, planning.rehearsal). Checked on 2.13; the GPU machines run 2.11."""
 
+grouped_mm = torch._grouped_mm
+"""The grouped GEMM of a mixture of experts' routed tokens, which torchtitan's experts call too
+(memory.grouped_swiglu). Checked on 2.13; the GPU machines run 2.11."""
+
 get_dispatch_mode = torch._C._get_dispatch_mode
 TorchDispatchModeKey = torch._C._TorchDispatchModeKey
 """With ``get_dispatch_mode``: whether a fake mode is on (planning.rehearsal). Checked on 2.13;
@@ -189,6 +193,7 @@ __all__ = [
     "get_dispatch_mode",
     "get_donated_idxs",
     "get_layout_constraint_tag",
+    "grouped_mm",
     "head_tail_indices",
     "is_fake",
     "is_fx_symbolic_tracing",
