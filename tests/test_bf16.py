@@ -15,7 +15,7 @@ most ``MAX_RATIO`` times the baseline's:
   1.6-1.7x on wv for every seed tried, against at most 1.2x for every style summing in
   float32.
 
-``pytest -s`` prints the ratios.
+``pytest -s -n 0`` prints the ratios.
 
 One spawn of 4 ranks runs every case (spawning is the slow part on CPU); the 1-D styles use all
 4 ranks as their CP group, 2D a ring of 2 x a head axis of 2.

@@ -289,7 +289,7 @@ def test_planner_predicts_real_peak_within_5_percent(tmp_path: Path, cp: int) ->
         errors[name] = (planned, real[name], abs(planned - real[name]) / real[name])
     print(
         f"cp {cp}: planned / real peak bytes: {json.dumps(errors)}"
-    )  # the README's table (pytest -s)
+    )  # the README's table (pytest -s -n 0)
     bad = {k: v for k, v in errors.items() if not v[2] <= 0.05}
     assert not bad, f"planned vs real peak bytes (relative error): {bad}"
 
