@@ -313,7 +313,7 @@ def test_other_spmd_backends_are_refused_and_tensor_parallel_heads_checked() -> 
     make_cp_style(attention, config.upipe, 2, config.training.seq_len, 8)  # 1 KV head per rank
 
 
-MOE_STEPS = 2
+MOE_STEPS = 4
 
 
 def _moe_runs(rank: int, world_size: int, common: list[str], seed: Path, out: Path) -> None:
