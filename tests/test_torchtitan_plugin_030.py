@@ -96,16 +96,18 @@ def _train(args: list[str]) -> list[float]:
     return losses
 
 
-def _baseline(rank: int, world_size: int, common: list[str], seed: Path, out: Path) -> None:
-    """torchtitan's own Llama3 on one rank, no CP: first the seed checkpoint (what
-    ``train.py --checkpoint.create_seed_checkpoint`` does), then training from it."""
+def _baseline(
+    rank: int, world_size: int, common: list[str], seed: Path, out: Path, module: str = "llama3"
+) -> None:
+    """torchtitan's own model (its ``module``'s) on one rank, no CP: first the seed checkpoint
+    (what ``train.py --checkpoint.create_seed_checkpoint`` does), then training from it."""
     with torchtitan_on_cpu(rank):
-        trainer = _build(["--module=llama3", *common, "--checkpoint.create_seed_checkpoint"])
+        trainer = _build([f"--module={module}", *common, "--checkpoint.create_seed_checkpoint"])
         trainer.checkpointer.save(curr_step=0, last_step=True)
         trainer.close()
         losses = _train(
             [
-                "--module=llama3",
+                f"--module={module}",
                 *common,
                 f"--checkpoint.initial_load_path={seed}",
                 "--checkpoint.folder=baseline",
@@ -343,22 +345,6 @@ def _moe_runs(rank: int, world_size: int, common: list[str], seed: Path, out: Pa
         out.write_text(json.dumps(runs))
 
 
-def _moe_baseline(rank: int, world_size: int, common: list[str], seed: Path, out: Path) -> None:
-    with torchtitan_on_cpu(rank):
-        trainer = _build(["--module=qwen3", *common, "--checkpoint.create_seed_checkpoint"])
-        trainer.checkpointer.save(curr_step=0, last_step=True)
-        trainer.close()
-        losses = _train(
-            [
-                "--module=qwen3",
-                *common,
-                f"--checkpoint.initial_load_path={seed}",
-                "--checkpoint.folder=baseline",
-            ]
-        )
-    out.write_text(json.dumps(losses))
-
-
 def test_the_moe_debug_model_with_upipe_equals_torchtitan_without_cp(tmp_path: Path) -> None:
     """torchtitan's Qwen3-MoE debug model (8 blocks of 64 experts, top 8) trained through the
     plug-in with UPipe, its MoE blocks tiled, and with expert parallelism: torchtitan's own
@@ -370,7 +356,7 @@ def test_the_moe_debug_model_with_upipe_equals_torchtitan_without_cp(tmp_path: P
     common[0] = "--config=qwen3_moe_debug"
     common[common.index(f"--training.steps={STEPS}")] = f"--training.steps={MOE_STEPS}"
     seed = tmp_path / "dump" / "checkpoint" / "step-0"
-    run_on_ranks(1, _moe_baseline, common, seed, tmp_path / "baseline.json")
+    run_on_ranks(1, _baseline, common, seed, tmp_path / "baseline.json", "qwen3")
     baseline = json.loads((tmp_path / "baseline.json").read_text())
     run_on_ranks(2, _moe_runs, common, seed, tmp_path / "plugin.json")
     runs = json.loads((tmp_path / "plugin.json").read_text())

@@ -169,25 +169,30 @@ _SHAPE_KEYS = (
 )
 
 
-def args_from_hf(config: dict[str, Any], source: str) -> Qwen3Args:
-    """The ``Qwen3Args`` of a Hugging Face Qwen3 ``config.json`` (dense; ``source`` names it in
-    errors). Tied embeddings load as an output layer of its own (``checkpointing.weights``)."""
-    check_supported(config, _SUPPORTED, source)
-    require(config, _SHAPE_KEYS, source, "Qwen3")
+def decoder_fields(config: dict[str, Any], source: str, model: str) -> dict[str, Any]:
+    """The args of a Qwen3 ``config.json`` every Qwen3 family reads (the attention, the
+    widths, the norm and RoPE), by our args' names; ``model`` names it in errors."""
     theta, scaling = rope_from_hf(config, source)
     if scaling.scaling_factor != 1:
-        raise ValueError(f"{source}: Qwen3 with Llama3 RoPE scaling is not a Qwen3 model we know")
-    return Qwen3Args(
+        raise ValueError(f"{source}: {model} with Llama3 RoPE scaling is not a model we know")
+    return dict(
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
         n_heads=config["num_attention_heads"],
         n_kv_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"],
-        ffn_dim=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
     )
+
+
+def args_from_hf(config: dict[str, Any], source: str) -> Qwen3Args:
+    """The ``Qwen3Args`` of a Hugging Face Qwen3 ``config.json`` (dense; ``source`` names it in
+    errors). Tied embeddings load as an output layer of its own (``checkpointing.weights``)."""
+    check_supported(config, _SUPPORTED, source)
+    require(config, _SHAPE_KEYS, source, "Qwen3")
+    return Qwen3Args(**decoder_fields(config, source, "Qwen3"), ffn_dim=config["intermediate_size"])
 
 
 def hf_adapter(args: Qwen3Args, hf_assets_path: str | None) -> Qwen3StateDictAdapter:

@@ -33,11 +33,16 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from upipe_dtensor.memory.grouped_swiglu import GroupedSwiGLUForward
-from upipe_dtensor.models.hf_fields import check_supported, require, rope_from_hf
+from upipe_dtensor.models.hf_fields import check_supported, require
 from upipe_dtensor.models.tt030 import Decoder030, HalfFrequencyRoPE, with_norm_eps
 from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
 from upipe_dtensor.models.tt030.expert_parallel import apply_expert_parallel
-from upipe_dtensor.models.tt030.qwen3 import ATTENTION_CLASS, Qwen3Args, Qwen3Block
+from upipe_dtensor.models.tt030.qwen3 import (
+    ATTENTION_CLASS,
+    Qwen3Args,
+    Qwen3Block,
+    decoder_fields,
+)
 
 __all__ = ["ATTENTION_CLASS"]
 
@@ -209,19 +214,9 @@ def args_from_hf(config: dict[str, Any], source: str) -> Qwen3MoeArgs:
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     if not num_experts:
         raise ValueError(f"{source}: no num_experts; is this a Qwen3-MoE config.json?")
-    theta, scaling = rope_from_hf(config, source)
-    if scaling.scaling_factor != 1:
-        raise ValueError(f"{source}: Qwen3-MoE with Llama3 RoPE scaling is not a model we know")
     return Qwen3MoeArgs(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"],
+        **decoder_fields(config, source, "Qwen3-MoE"),
         ffn_dim=config["moe_intermediate_size"],
-        vocab_size=config["vocab_size"],
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
         num_experts=int(num_experts),
         top_k=config["num_experts_per_tok"],
         route_norm=bool(config.get("norm_topk_prob", False)),
