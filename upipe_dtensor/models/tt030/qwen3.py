@@ -117,8 +117,10 @@ class Qwen3Block(Qwen3TransformerBlock):
         return x + mlp(self.ffn_norm(x))
 
 
-def model_config(args: Qwen3Args) -> Qwen3Model.Config:
-    """torchtitan's ``Qwen3Model.Config`` of ``args``, by torchtitan's builders and inits."""
+def decoder_config(args: Qwen3Args, layers: list[Any]) -> Qwen3Model.Config:
+    """torchtitan's ``Qwen3Model.Config`` of ``args`` around the block configs ``layers``
+    (embeddings, final norm, output layer by torchtitan's inits; every norm's epsilon ``args``'),
+    for every Qwen3 family."""
     config = Qwen3Model.Config(
         dim=args.dim,
         vocab_size=args.vocab_size,
@@ -129,7 +131,16 @@ def model_config(args: Qwen3Args) -> Qwen3Model.Config:
         lm_head=Linear.Config(
             in_features=args.dim, out_features=args.vocab_size, param_init=_LINEAR_INIT
         ),
-        layers=with_block_class(
+        layers=layers,
+    )
+    return with_norm_eps(config, args.norm_eps)
+
+
+def model_config(args: Qwen3Args) -> Qwen3Model.Config:
+    """torchtitan's ``Qwen3Model.Config`` of ``args``, by torchtitan's builders and inits."""
+    return decoder_config(
+        args,
+        with_block_class(
             _build_qwen3_layers(
                 n_layers=args.n_layers,
                 dim=args.dim,
@@ -144,7 +155,6 @@ def model_config(args: Qwen3Args) -> Qwen3Model.Config:
             Qwen3Block,
         ),
     )
-    return with_norm_eps(config, args.norm_eps)
 
 
 class Qwen3(Decoder030, Qwen3Model):
@@ -156,7 +166,7 @@ class Qwen3(Decoder030, Qwen3Model):
         self.model_args = args
 
 
-_SUPPORTED = {"attention_bias": False, "hidden_act": "silu", "use_sliding_window": False}
+SUPPORTED = {"attention_bias": False, "hidden_act": "silu", "use_sliding_window": False}
 """config.json fields and the only value our Qwen3 implements."""
 _SHAPE_KEYS = (
     "hidden_size",
@@ -190,7 +200,7 @@ def decoder_fields(config: dict[str, Any], source: str, model: str) -> dict[str,
 def args_from_hf(config: dict[str, Any], source: str) -> Qwen3Args:
     """The ``Qwen3Args`` of a Hugging Face Qwen3 ``config.json`` (dense; ``source`` names it in
     errors). Tied embeddings load as an output layer of its own (``checkpointing.weights``)."""
-    check_supported(config, _SUPPORTED, source)
+    check_supported(config, SUPPORTED, source)
     require(config, _SHAPE_KEYS, source, "Qwen3")
     return Qwen3Args(**decoder_fields(config, source, "Qwen3"), ffn_dim=config["intermediate_size"])
 

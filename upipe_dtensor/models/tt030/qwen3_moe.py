@@ -19,13 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torchtitan.models.common import Embedding, Linear
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.qwen3 import (
-    _EMBEDDING_INIT,
-    _LINEAR_INIT,
     _build_qwen3_moe_layers,
-    _qwen3_norm,
     qwen3_configs,
 )
 from torchtitan.models.qwen3.model import Qwen3Model
@@ -34,13 +30,15 @@ from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from upipe_dtensor.memory.grouped_swiglu import GroupedSwiGLUForward
 from upipe_dtensor.models.hf_fields import check_supported, require
-from upipe_dtensor.models.tt030 import Decoder030, HalfFrequencyRoPE, with_norm_eps
+from upipe_dtensor.models.tt030 import Decoder030, HalfFrequencyRoPE, with_block_class
 from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
 from upipe_dtensor.models.tt030.expert_parallel import apply_expert_parallel
 from upipe_dtensor.models.tt030.qwen3 import (
     ATTENTION_CLASS,
+    SUPPORTED,
     Qwen3Args,
     Qwen3Block,
+    decoder_config,
     decoder_fields,
 )
 
@@ -146,7 +144,6 @@ def model_config(args: Qwen3MoeArgs) -> Qwen3Model.Config:
         moe_comm_backend="standard",
         rope=args.rope_config(HalfFrequencyRoPE),
     )
-    blocks = []
     for layer in layers:
         moe = layer.moe
         moe.router.route_norm = args.route_norm
@@ -155,22 +152,7 @@ def model_config(args: Qwen3MoeArgs) -> Qwen3Model.Config:
         moe.routed_experts.inner_experts = RecomputedGroupedExperts.Config(
             **{f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)}
         )
-        blocks.append(
-            Qwen3Block.Config(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)})
-        )
-    config = Qwen3Model.Config(
-        dim=args.dim,
-        vocab_size=args.vocab_size,
-        norm=_qwen3_norm(args.dim),
-        tok_embeddings=Embedding.Config(
-            num_embeddings=args.vocab_size, embedding_dim=args.dim, param_init=_EMBEDDING_INIT
-        ),
-        lm_head=Linear.Config(
-            in_features=args.dim, out_features=args.vocab_size, param_init=_LINEAR_INIT
-        ),
-        layers=blocks,
-    )
-    return with_norm_eps(config, args.norm_eps)
+    return decoder_config(args, with_block_class(layers, Qwen3Block))
 
 
 class Qwen3Moe(Decoder030, Qwen3Model):
@@ -182,13 +164,7 @@ class Qwen3Moe(Decoder030, Qwen3Model):
         self.model_args = args
 
 
-_SUPPORTED = {
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "use_sliding_window": False,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-}
+_SUPPORTED = SUPPORTED | {"decoder_sparse_step": 1, "mlp_only_layers": []}
 """config.json fields and the only value our Qwen3-MoE implements (every block a MoE block)."""
 _READS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
 _SHAPE_KEYS = (
