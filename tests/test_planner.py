@@ -85,6 +85,14 @@ JOBS = {
         "--memory.mlp_tile_tokens",
         "128",
     ],
+    "qwen3-moe, ep 2": [  # the planner's routing, round-robin, in the real run too
+        "--config",
+        str(REPO / "train_configs/qwen3_moe_debug.toml"),
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--model.moe_force_load_balance",
+        "true",
+    ],
     "upipe+checkpoint_pairs": [
         "--activation_checkpoint.mode",
         "full",
@@ -311,6 +319,18 @@ def test_plan_reports_breakdown_and_fit(tmp_path: Path) -> None:
     assert CUDA_CONTEXT not in cpu_plan.device_breakdown
     assert not plan_job(config, Budget(device_bytes=plan.device_peak_bytes - 1)).fits
     assert "block" in plan.device_peak_when or "head" in plan.device_peak_when
+
+
+def test_an_expert_parallel_plan_prices_its_exchanges_and_syncs(tmp_path: Path) -> None:
+    """Expert parallelism's token exchanges are their own row of the step time (not the heads'
+    all-to-all, whose group they share at cp 4 x ep 2), each MoE block reads its token counts
+    on the host once, and its two communicators (ep, the experts' FSDP) are allowed for."""
+    plan = plan_job(_config(str(tmp_path), 4, JOBS["qwen3-moe, ep 2"]))
+    assert "experts over 2 ranks" in plan.render()
+    assert plan.speed.time_breakdown_s["exposed expert all-to-all"] > 0
+    assert plan.speed.time_breakdown_s["exposed head all-to-all"] > 0
+    assert plan.host_syncs_per_step == plan.n_layers  # no recompute in the debug job
+    assert f"{NCCL_BUFFERS} (5 communicators)" in plan.device_breakdown
 
 
 def test_cli_json_and_sweep(tmp_path: Path) -> None:

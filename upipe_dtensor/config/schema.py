@@ -88,6 +88,10 @@ class Model:
     0 keeps the flavor's."""
     rope_original_max_position_embeddings: int = 0
     """Llama3 RoPE scaling: the context the unscaled model was trained at; 0 keeps the flavor's."""
+    moe_force_load_balance: bool = False
+    """A mixture of experts routes token choice i to expert i mod E, whatever the router scores
+    (torchtitan's [debug] moe_force_load_balance): every expert gets as many tokens, the routing
+    the planner plans expert parallelism with. For measuring against a plan, not for training."""
 
     @property
     def tokenizer_folder(self) -> str:

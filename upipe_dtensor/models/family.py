@@ -12,6 +12,7 @@ generation's modules are the ones registered (``models.generation``). See docs/d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,9 @@ class ModelFamily:
     expert_parallel: Callable[[nn.Module, Any], list[nn.Module]] | None = None
     """``(model, (efsdp, ep) mesh) ->`` its experts split over ``ep``, the grouped-experts
     modules returned for FSDP2 over ``efsdp`` (a mixture of experts only)."""
+    balanced_routing: Callable[[], AbstractContextManager] | None = None
+    """A context in which expert parallelism's exchanges are sized for evenly spread routing,
+    which the planner's fake step assumes (fake tensors hold no routing to read)."""
     hf_extra_fields: Callable[[Any], dict[str, Any]] | None = None
     """``args ->`` the config.json fields of the family's shape beyond the dense decoder's
     (``models.hf_config.shape_fields``), such as a mixture of experts' counts."""
@@ -147,6 +151,7 @@ def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
             hf_rope_permuted=module.HF_ROPE_PERMUTED,
             mixture_of_experts=getattr(module, "MIXTURE_OF_EXPERTS", False),
             expert_parallel=getattr(module, "EXPERT_PARALLEL", None),
+            balanced_routing=getattr(module, "BALANCED_ROUTING", None),
             hf_extra_fields=getattr(module, "hf_extra_fields", None),
         )
     )

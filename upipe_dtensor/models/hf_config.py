@@ -108,6 +108,13 @@ def model_args(model_config, seq_len: int) -> ModelArgs:
             f"[model] flavor = {flavor!r} is unknown for {family.name}; choose one of "
             f"{sorted(family.flavors)} or '{HF_FLAVOR}' (shape from hf_assets_path/config.json)"
         )
+    if model_config.moe_force_load_balance:
+        if not family.mixture_of_experts:
+            raise ValueError(
+                f"[model] moe_force_load_balance = true: {family.name} has no experts; "
+                "set it to false"
+            )
+        args = dataclasses.replace(args, force_load_balance=True)
     theta = overrides.pop("rope_theta", args.rope_theta)
     scaling = dataclasses.replace(args.rope_scaling_args, **overrides)
     if scaling.scaling_factor != 1 and not scaling.low_freq_factor < scaling.high_freq_factor:

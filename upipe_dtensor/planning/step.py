@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.config import ConfigError, JobConfig, check_job
 from upipe_dtensor.config.schema import Parallelism
+from upipe_dtensor.models.family import get_family
 from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.modes.ops import computations_run_by, transparent_ops
 from upipe_dtensor.modes.traces import forget_per_trace_caches
@@ -119,11 +120,14 @@ FIXED_ALLOWANCES = (CUDA_CONTEXT, NCCL_BUFFERS, CUBLAS_WORKSPACE)
 
 def nccl_communicators(config: JobConfig, world_size: int) -> int:
     """Communicators one rank creates: the default group and FSDP's (more than one rank), the
-    head all-to-all axis and the ring axis (each when it has more than one rank)."""
+    head all-to-all axis, the ring axis, the tensor-parallel group, and expert parallelism's
+    ep group and its experts' FSDP group (each when it has more than one rank)."""
     parallelism = config.parallelism
     heads = parallelism.head_degree
     ring = parallelism.context_parallel_degree // heads
-    return 2 * (world_size > 1) + (heads > 1) + (ring > 1)
+    tp, ep = parallelism.tensor_parallel_degree, parallelism.expert_parallel_degree
+    experts = (ep > 1) + (ep > 1 and world_size // ep > 1)
+    return 2 * (world_size > 1) + (heads > 1) + (ring > 1) + (tp > 1) + experts
 
 
 @dataclass
@@ -190,6 +194,9 @@ class Plan:
     """A mixture of experts' own buffers (routing, permuted tokens, experts' hidden states) at
     their largest during the step, on the device: they peak inside an MoE block, rarely at the
     step's peak. 0 for a dense model."""
+    expert_parallel_degree: int = 1
+    """Ranks each MoE block's experts are split over; their token exchanges are planned for a
+    router that spreads tokens evenly (``plan_job``)."""
 
     @property
     def fits_device(self) -> bool:
@@ -284,6 +291,12 @@ class Plan:
             lines.append(
                 f"  {EXPERTS:<20s} : {self.experts_high_bytes / GiB:8.2f} GiB at most, during "
                 "an MoE block (router scores, permuted tokens, experts' hidden states)"
+            )
+        if self.expert_parallel_degree > 1:
+            lines.append(
+                f"  expert parallelism   : experts over {self.expert_parallel_degree} ranks, "
+                "token exchanges sized for evenly routed tokens (a skewed router sends some "
+                "ranks more)"
             )
         lines += [
             f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB ({self.host_holds})",
@@ -532,15 +545,11 @@ def plan_job(
     (``planning.depth``, ``planning.timeline``: the same bytes, work and times);
     ``full_trace`` traces every block and runs every attention computation in full
     (``planning.replay``). ``traces``: a search's cache of traced steps.
+
+    Expert parallelism is planned with its router spreading tokens evenly over the experts
+    (``ModelFamily.balanced_routing``): the exchanges' sizes come from the routing, which a fake
+    step does not have.
     """
-    ep = config.parallelism.expert_parallel_degree
-    if ep > 1:  # the exchange's sizes come from the routing, which fake tensors do not have
-        raise ConfigError(
-            f"[parallelism] expert_parallel_degree = {ep}: the planner does not plan expert "
-            "parallelism yet (how many tokens each rank receives depends on the routing); plan "
-            "with --parallelism.expert_parallel_degree 1, every expert FSDP-sharded over all "
-            "the ranks"
-        )
     budget = budget or Budget()
     parallelism = config.parallelism
     world_size = world_size or parallelism.world_size
@@ -624,6 +633,7 @@ def plan_job(
         n_layers=args.n_layers,
         traced_layers=reduction.traced_layers if reduction is not None else args.n_layers,
         experts_high_bytes=peak.label_highs.get(EXPERTS, 0),
+        expert_parallel_degree=parallelism.expert_parallel_degree,
     )
 
 
@@ -674,7 +684,14 @@ def _trace(
     forget_per_trace_caches()
     try:
         cp, ring = parallelism.context_parallel_degree, parallelism.ring_degree
-        meshes = build_meshes("cpu", dp, cp, ring, parallelism.tensor_parallel_degree)
+        meshes = build_meshes(
+            "cpu",
+            dp,
+            cp,
+            ring,
+            parallelism.tensor_parallel_degree,
+            parallelism.expert_parallel_degree,
+        )
         tracker = LiveMemoryTracker()
         tp_group = meshes.tp.get_group().group_name if meshes.tp.size() > 1 else ""
         counter = StepWorkCounter(DEVICE, host, gpus_per_node, tp_group)
@@ -687,6 +704,7 @@ def _trace(
             else contextlib.nullcontext()
         )
         with (
+            _routing(config),
             planned_compile.fresh_compiles(compiled),
             _meshes_from_real_tensors(),
             FakeTensorMode(allow_non_fake_inputs=True),
@@ -732,6 +750,13 @@ def _trace(
     finally:
         forget_per_trace_caches()
         dist.destroy_process_group()
+
+
+def _routing(config: JobConfig) -> contextlib.AbstractContextManager:
+    """The routing the step's expert-parallel exchanges are sized for (``plan_job``)."""
+    if config.parallelism.expert_parallel_degree == 1:
+        return contextlib.nullcontext()
+    return get_family(config.model.name).balanced_routing()
 
 
 def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:

@@ -42,6 +42,10 @@ Time on one rank, all ranks of a CP job doing the same work:
   and the replicated weights' reductions): on the compute stream, between the ops that produce
   and use them, so exposed whole (torchtitan's async TP, which overlaps them with the matmuls, is
   not used);
+- expert parallelism's token exchanges (each MoE block's dispatch and combine all-to-alls over
+  the ep group, and the token counts before them): exposed whole, since torchtitan's dispatcher
+  reads the counts on the host and waits for each exchange before the experts or the combine
+  run (no overlap with other work); sized for evenly routed tokens (``plan_job``);
 - host <-> device copies share the host link (``host_link_bytes_per_s`` per GPU, all GPUs
   copying at once) on copy engines (no SMs): side-stream copies overlap compute, except the
   block inputs fetched back in backward when ``cpu_offload_prefetch`` is off, which the compute
@@ -65,7 +69,11 @@ import copy
 from dataclasses import dataclass, field, fields
 
 from upipe_dtensor.planning.hardware import HardwareProfile
-from upipe_dtensor.planning.step_work import TENSOR_PARALLEL_KINDS, StepWork
+from upipe_dtensor.planning.step_work import (
+    EXPERT_PARALLEL_KINDS,
+    TENSOR_PARALLEL_KINDS,
+    StepWork,
+)
 
 ADAMW_BYTES_PER_PARAM = 28
 """fp32 parameter (read, write), gradient (read), two moments (read, write each): 7 x 4 bytes."""
@@ -174,6 +182,7 @@ def _comm_seconds(work: StepWork, profile: HardwareProfile, *kinds: str) -> tupl
     """(seconds on the wire, calls) of these kinds of collective (of one rate)."""
     intra = {
         "all_to_all": profile.all_to_all_bus_bytes_per_s,
+        "ep all_to_all": profile.all_to_all_bus_bytes_per_s,
         "p2p": profile.p2p_bytes_per_s,
     }.get(kinds[0], profile.collective_bus_bytes_per_s)
     seconds, calls = 0.0, 0
@@ -278,6 +287,9 @@ def _price(work: StepWork, shape: StepShape, profile: HardwareProfile) -> _Price
         breakdown["exposed tensor-parallel collectives"] = (
             tp_s + tp_calls * profile.collective_latency_s
         )
+    ep_s, ep_calls = _comm_seconds(work, profile, *EXPERT_PARALLEL_KINDS)
+    if ep_calls:  # torchtitan's dispatcher waits for its token counts, then for each exchange
+        breakdown["exposed expert all-to-all"] = ep_s + ep_calls * profile.collective_latency_s
     return _Priced(breakdown, compute, margin_saves)
 
 

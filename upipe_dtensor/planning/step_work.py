@@ -39,6 +39,7 @@ from torch.utils.flop_counter import flop_registry
 from upipe_dtensor.config import ConfigError
 from upipe_dtensor.modes.loops import repeats
 from upipe_dtensor.planning.tracker import (
+    EXPERTS,
     OFFLOAD,
     is_untracked,
     label_from_stack,
@@ -338,13 +339,18 @@ def _group_of(func, args) -> dist.ProcessGroup | None:
 TENSOR_PARALLEL_KINDS = ("tp all_gather", "tp reduce_scatter", "tp all_reduce")
 """The kinds of the collectives a tensor-parallel group runs (``StepWork.communication``): priced
 apart from FSDP's, which overlap compute (``step_time``)."""
+EXPERT_PARALLEL_KINDS = ("ep all_to_all",)
+"""The kind of an expert-parallel group's exchanges: priced apart from the heads' all-to-alls,
+which UPipe overlaps with attention (``step_time``)."""
 
 
 class StepWorkCounter(TorchDispatchMode):
     """Counts a ``StepWork`` while ``counting`` (the measured step, not the optimizer; see the
     module docstring). ``gpus_per_node`` decides which groups cross nodes (ranks numbered node
     by node, as torchrun numbers them); a collective on ``tensor_parallel_group`` (its name) is
-    counted as tensor parallelism's (``TENSOR_PARALLEL_KINDS``)."""
+    counted as tensor parallelism's (``TENSOR_PARALLEL_KINDS``), an all-to-all an MoE block runs
+    as expert parallelism's (``EXPERT_PARALLEL_KINDS``; by its caller, since its group may be
+    the very group of the heads' exchanges: a mesh reuses the group of the same ranks)."""
 
     def __init__(
         self,
@@ -408,6 +414,8 @@ class StepWorkCounter(TorchDispatchMode):
         nbytes = _SHARES[share](sum(_numel_bytes(t) for t in counted), size)
         if group is not None and group.group_name == self.tensor_parallel_group:
             kind = f"tp {kind}"
+        elif kind == "all_to_all" and label_from_stack() == EXPERTS:
+            kind = EXPERT_PARALLEL_KINDS[0]
         key = (kind, group is not None and self._crosses_nodes(group))
         traffic = self.work.communication.setdefault(key, Traffic())
         traffic.bytes += nbytes * repeats()

@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from upipe_dtensor.kernels.op_mode import project_ops
-from upipe_dtensor.runtime.torch_private import TorchDispatchMode
+from upipe_dtensor.runtime.torch_private import TorchDispatchMode, is_traceable_wrapper_subclass
 
 MODEL_STATES, ATTENTION, MLP, LOSS, OFFLOAD, OTHER = (
     "parameters + gradients + optimizer state",
@@ -199,6 +198,17 @@ class Peak:
     label_highs: dict[str, int] = field(default_factory=dict)
     """Each label's own largest live bytes during the step, whenever it was (an MoE block's
     buffers peak inside the block, not at the step's peak)."""
+
+
+def _holding_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold ``tensor``'s bytes: a wrapper subclass (a DTensor, the
+    ``AsyncCollectiveTensor`` an eager functional collective returns) allocates nothing of its
+    own, its inner tensors do (counting the wrapper too counted a collective's output twice)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return [held for t in inner if isinstance(t, torch.Tensor) for held in _holding_tensors(t)]
 
 
 class LiveMemoryTracker(TorchDispatchMode):
@@ -375,8 +385,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         if _quiet:
             return out
         for leaf in tensor_leaves(out):
-            if isinstance(leaf, DTensor):
-                leaf = leaf.to_local()
-            if leaf.layout == torch.strided:
-                self._track(leaf)
+            for held in _holding_tensors(leaf):
+                if held.layout == torch.strided:
+                    self._track(held)
         return out

@@ -98,9 +98,10 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils._device import _device_constructors as device_constructors
 
 # TorchDispatchMode: the base of the planner's op trackers (planning.tracker, step_work,
-# rehearsal); current_dispatch_mode_stack: the dispatch modes on now (planning.compiled).
+# rehearsal); current_dispatch_mode_stack: the dispatch modes on now (planning.compiled);
+# is_traceable_wrapper_subclass: a tensor whose memory is its inner tensors' (planning.tracker).
 # Checked on 2.13; the GPU machines run 2.11.
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._python_dispatch import (
     _get_current_dispatch_mode_stack as current_dispatch_mode_stack,
 )
@@ -197,6 +198,7 @@ __all__ = [
     "head_tail_indices",
     "is_fake",
     "is_fx_symbolic_tracing",
+    "is_traceable_wrapper_subclass",
     "is_torch_function_mode_enabled",
     "list_backends",
     "lookup_backend",

@@ -160,6 +160,7 @@ def set_up_job(
         parallelism.context_parallel_degree,
         parallelism.ring_degree,
         parallelism.tensor_parallel_degree,
+        parallelism.expert_parallel_degree,
     )
     mixed_precision = placement.mixed_precision
     return JobSetup(

@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -170,7 +171,10 @@ def apply_fsdp(
     """FSDP2 over ``mesh`` (dp_shard x cp): each block, the head, the rest. Expert-parallel
     ``experts`` are sharded first over ``expert_mesh`` (the ranks outside their ep group), with
     their gradients divided by all of dp_shard x cp as every other weight's: each rank's holds
-    the tokens of its whole ep group, so their sum over ``expert_mesh`` is over every token."""
+    the tokens of its whole ep group, so their sum over ``expert_mesh`` is over every token.
+
+    Note: FSDP2 divides by a factor other than its group's size with NCCL's PREMUL_SUM, which
+    gloo lacks; there it sums and divides after (not on one rank: torch 2.13 divides twice)."""
     training = config.training
     if mixed_precision:
         # No cast of the units' floating inputs: the blocks' activations already arrive in the
@@ -191,6 +195,8 @@ def apply_fsdp(
     for module in experts:
         fully_shard(module, mesh=expert_mesh, mp_policy=mp_policy, offload_policy=offload)
         module.set_gradient_divide_factor(float(mesh.size()))
+        if expert_mesh.size() > 1 and "gloo" in dist.get_backend(expert_mesh.get_group()):
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (note)
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         shard(block, reshard_after_forward=reshards_after_forward(config, index, len(blocks)))
@@ -217,10 +223,8 @@ def parallelize_llama(model: nn.Module, setup: JobSetup) -> Parallelized:
     if setup.tp > 1:  # the tiled MLP gathers its own input (``models.tensor_parallel``)
         apply_tensor_parallel(model, setup.meshes.tp, logits=False)
     cp_style = apply_context_parallel(model, setup)
-    ep = config.parallelism.expert_parallel_degree
-    expert_meshes, experts = None, []
-    if ep > 1:
-        expert_meshes = setup.meshes.experts(ep)
+    expert_meshes, experts = setup.meshes.experts, []
+    if expert_meshes is not None:
         experts = family_of(setup.args).expert_parallel(model, expert_meshes)
     compiled = config.compile
     use_fused_backend(compiled.backend if compiled.enable and compiled.fuse_tiles else None)

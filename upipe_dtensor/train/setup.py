@@ -33,21 +33,16 @@ class ParallelMeshes:
     fsdp: DeviceMesh
     cp: DeviceMesh
     """All C context-parallel ranks of one sequence, in (ring, heads) order."""
+    experts: DeviceMesh | None = None
+    """The (efsdp, ep) mesh of expert parallelism over every rank (no tensor parallelism):
+    groups of ``ep`` consecutive ranks, the innermost axes of dp_shard x cp (a sequence's head
+    ranks first), hold every expert once between them; ``efsdp`` strides across the groups
+    (``models.tt030.expert_parallel``). None without expert parallelism."""
 
     @property
     def tp(self) -> DeviceMesh:
         """The T tensor-parallel ranks of one context-parallel rank."""
         return self.world["tp"]
-
-    def experts(self, ep: int) -> DeviceMesh:
-        """The (efsdp, ep) mesh of expert parallelism over every rank (no tensor parallelism):
-        groups of ``ep`` consecutive ranks, the innermost axes of dp_shard x cp (a sequence's
-        head ranks first), hold every expert once between them; ``efsdp`` strides across the
-        groups (``models.tt030.expert_parallel``)."""
-        world = self.world
-        return init_device_mesh(
-            world.device_type, (world.size() // ep, ep), mesh_dim_names=("efsdp", "ep")
-        )
 
     @property
     def dp_shard(self) -> DeviceMesh:
@@ -72,8 +67,9 @@ class ParallelMeshes:
 
 
 def build_meshes(
-    device_type: str, dp_shard: int, cp: int, ring: int = 1, tp: int = 1
+    device_type: str, dp_shard: int, cp: int, ring: int = 1, tp: int = 1, ep: int = 1
 ) -> ParallelMeshes:
+    """Every mesh of a job, built at once (a fake step cannot build one: ``Placement``)."""
     world = init_device_mesh(
         device_type,
         (dp_shard, ring, cp // ring, tp),
@@ -83,6 +79,11 @@ def build_meshes(
         world=world,
         fsdp=world["dp_shard", "cp_ring", "cp_heads"]._flatten("dp_shard_cp"),
         cp=world["cp_ring", "cp_heads"]._flatten("cp"),
+        experts=(
+            init_device_mesh(device_type, (world.size() // ep, ep), mesh_dim_names=("efsdp", "ep"))
+            if ep > 1
+            else None
+        ),
     )
 
 

@@ -14,11 +14,17 @@ placement and ``wire_meshes``) are taken here directly.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.moe import RoutedExperts
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+from upipe_dtensor.runtime.torch_private import DataDependentOutputException
 
 _BACKEND = "partial_dtensor"
 """torchtitan's SPMD backend of plain DTensors, the one this project's models run on: the
@@ -41,3 +47,42 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]
         module.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
         experts.append(inner)
     return experts
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Expert-parallel exchanges sized as if the router spread every rank's routed tokens evenly
+    over the experts (routed row i to expert i mod E), for the planner's fake step: how many
+    tokens each rank sends and receives is read from the routing on the host, which fake tensors
+    do not hold. The counts are still read on the host (one sync per MoE block, which the
+    planner's rehearsal counts), so the step's syncs and the exchanges' shapes are the real
+    step's under that routing; a skewed router sends some ranks more."""
+    dispatch, exchange = (
+        AllToAllTokenDispatcher.dispatch,
+        AllToAllTokenDispatcher._sync_token_count_exchange,
+    )
+
+    def counted_dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts_E):
+        self._planned_rows = topk_expert_ids_TK.numel()
+        return dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts_E)
+
+    def balanced_exchange(self, local_counts_E, global_counts_EP_e, ep_size):
+        try:  # the real step's one host read of the counts (a fake tensor has no value)
+            global_counts_EP_e.sum().item()
+        except DataDependentOutputException:
+            pass
+        rows, experts = self._planned_rows, local_counts_E.shape[0]
+        per_expert = [rows // experts + (e < rows % experts) for e in range(experts)]
+        local = experts // ep_size
+        mine = per_expert[self.ep_mesh.get_local_rank() * local :][:local]
+        sent = [sum(per_expert[p * local : (p + 1) * local]) for p in range(ep_size)]
+        received = global_counts_EP_e.new_tensor(mine * ep_size).reshape(-1)
+        return received, sent, [sum(mine)] * ep_size
+
+    AllToAllTokenDispatcher.dispatch = counted_dispatch
+    AllToAllTokenDispatcher._sync_token_count_exchange = balanced_exchange
+    try:
+        yield
+    finally:
+        AllToAllTokenDispatcher.dispatch = dispatch
+        AllToAllTokenDispatcher._sync_token_count_exchange = exchange

@@ -32,7 +32,7 @@ from upipe_dtensor.memory.grouped_swiglu import GroupedSwiGLUForward
 from upipe_dtensor.models.hf_fields import check_supported, require
 from upipe_dtensor.models.tt030 import Decoder030, HalfFrequencyRoPE, with_block_class
 from upipe_dtensor.models.tt030.attention import GQA_ADAPTER
-from upipe_dtensor.models.tt030.expert_parallel import apply_expert_parallel
+from upipe_dtensor.models.tt030.expert_parallel import apply_expert_parallel, balanced_routing
 from upipe_dtensor.models.tt030.qwen3 import (
     ATTENTION_CLASS,
     SUPPORTED,
@@ -49,6 +49,7 @@ ATTENTION_ADAPTER = GQA_ADAPTER
 HF_ROPE_PERMUTED: tuple[str, ...] = ()
 MIXTURE_OF_EXPERTS = True
 EXPERT_PARALLEL = apply_expert_parallel
+BALANCED_ROUTING = balanced_routing
 """How the family's experts split over an ``ep`` mesh (``models.tt030.expert_parallel``)."""
 MLP_CLASS = MoE
 """torchtitan's MoE block (what ``memory.tiled_moe`` tiles)."""
@@ -66,6 +67,8 @@ class Qwen3MoeArgs(Qwen3Args):
     load_balance_coeff: float | None = 1e-3
     """torchtitan's auxiliary-loss-free load balancing: the expert bias moves by this much per
     optimizer step toward the under-used experts (None: off)."""
+    force_load_balance: bool = False
+    """Route round-robin instead of by score (``[model] moe_force_load_balance``)."""
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """torchtitan's MoE count: every parameter, and the FLOPs of the active ones (top-k
@@ -147,6 +150,7 @@ def model_config(args: Qwen3MoeArgs) -> Qwen3Model.Config:
     for layer in layers:
         moe = layer.moe
         moe.router.route_norm = args.route_norm
+        moe.router._debug_force_load_balance = args.force_load_balance
         moe.load_balance_coeff = args.load_balance_coeff
         experts = moe.routed_experts.inner_experts
         moe.routed_experts.inner_experts = RecomputedGroupedExperts.Config(
