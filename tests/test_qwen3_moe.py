@@ -180,13 +180,14 @@ def _run(tmp: Path, name: str, cp: int, *extra: str) -> dict:
 
 
 def test_the_moe_debug_job_trains_and_balances_its_experts_as_on_one_rank(tmp_path: Path) -> None:
-    """train_configs/qwen3_moe_debug.toml (UPipe) on 2 ranks, and with its experts over ep 2 and
-    its blocks compiled (the attention halves; the MoE halves eager): the losses of one rank
-    within 1e-5 and falling, and the same expert biases after 4 steps of torchtitan's load
-    balancing (each step's tokens per expert summed over the ranks), which did move them."""
+    """train_configs/qwen3_moe_debug.toml (UPipe) on 2 ranks, and on 4 with its experts over ep 2
+    (each expert FSDP-sharded over the 2 groups) and its blocks compiled (the attention halves;
+    the MoE halves eager): the losses of one rank within 1e-5 and falling, and the same expert
+    biases after 4 steps of torchtitan's load balancing (each step's tokens per expert summed
+    over the ranks), which did move them."""
     one = _run(tmp_path, "cp1", 1)
     ep = ("--parallelism.expert_parallel_degree", "2", "--compile.enable", "true")
-    for run in (_run(tmp_path, "cp2", 2), _run(tmp_path, "cp2-ep2", 2, *ep)):
+    for run in (_run(tmp_path, "cp2", 2), _run(tmp_path, "cp4-ep2", 4, *ep)):
         for step, (a, e) in enumerate(zip(run["losses"], one["losses"], strict=True), 1):
             assert abs(a - e) <= 1e-5 * abs(e), f"step {step}: {a} vs {e}"
         assert run["biases"] == one["biases"]
