@@ -355,6 +355,16 @@ def test_cli_json_and_sweep(tmp_path: Path) -> None:
         report
     )
     assert report["compiled"] is True
+    assert report["longest_context"]["how"] == "estimated"
+    assert report["longest_context"]["tokens"] > report["seq_len"]  # 0.1 GiB of 80 GiB
+
+    budget = ["--device-memory-gib", "3.2", "--resolution", "0.2", "--json"]
+    searched = subprocess.run(
+        [*base, "--longest", *budget], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert searched.returncode == 0, searched.stderr
+    longest_here = json.loads(searched.stdout)["longest_context"]
+    assert longest_here["how"] == "searched"
 
     sweep = subprocess.run(
         [
@@ -363,13 +373,9 @@ def test_cli_json_and_sweep(tmp_path: Path) -> None:
             "seq_len",
             "--styles",
             "upipe,ulysses",
-            "--device-memory-gib",
-            "3.2",
-            "--resolution",
-            "0.2",
             "--out",
             str(tmp_path),
-            "--json",
+            *budget,
         ],
         capture_output=True,
         text=True,
@@ -388,6 +394,7 @@ def test_cli_json_and_sweep(tmp_path: Path) -> None:
         ]
         assert longest[style] == max(fitting) and min(failing) > longest[style]
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    assert longest_here["tokens"] == longest["upipe"]  # the job's own style, searched alike
 
 
 SHORTCUTS = {  # on fake tensors: loops of >= 4 identical iterations run their first two and last

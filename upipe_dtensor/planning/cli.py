@@ -43,7 +43,11 @@ from upipe_dtensor.parallel.registry import STYLES, style_spec
 from upipe_dtensor.planning.checkpoint_interval import interval_line, suggested_interval
 from upipe_dtensor.planning.floor import refuse_impossible
 from upipe_dtensor.planning.hardware import GPU_PROFILES
-from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting
+from upipe_dtensor.planning.length_search import (
+    GRANULE_TOKENS_PER_RANK,
+    estimated_longest,
+    longest_fitting,
+)
 from upipe_dtensor.planning.max_context import (
     KNOB_NAMES,
     find_max_context,
@@ -79,10 +83,11 @@ def longest_context(
     log,
     resolution: float,
     full_trace: bool = False,
+    known: Plan | None = None,
 ) -> tuple[int, list[Plan]]:
     """The longest seq_len (a multiple of 1024 * cp, to within ``resolution`` of itself) that
     fits, and every plan evaluated (``length_search``: a few secant steps from the recipe's
-    length)."""
+    length; ``known``: the recipe's own plan, made already)."""
     granule = GRANULE_TOKENS_PER_RANK * config.parallelism.context_parallel_degree
 
     def plan_at(seq_len: int) -> Plan:
@@ -99,11 +104,52 @@ def longest_context(
         return plan
 
     return longest_fitting(
-        plan_at, budget, start=config.training.seq_len, granule=granule, resolution=resolution
+        plan_at,
+        budget,
+        start=config.training.seq_len,
+        granule=granule,
+        resolution=resolution,
+        known=known,
+    )
+
+
+def longest_context_line(config: JobConfig, plan: Plan, args, budget: Budget) -> tuple[str, dict]:
+    """The longest context at the job's own settings, in words and as JSON: searched with plans
+    (``--longest``) or, by default, estimated from the one plan made (``length_search``)."""
+    granule = GRANULE_TOKENS_PER_RANK * config.parallelism.context_parallel_degree
+    if not args.longest:
+        tokens = estimated_longest(plan, budget, granule)
+        if tokens is None:
+            return "", {"tokens": None, "how": "estimated"}
+        return (
+            f"  longest context      : about {tokens:,} tokens at these settings (on the line "
+            "through this plan's fixed and growing memory; --longest plans it, --max-context "
+            "searches the settings too)",
+            {"tokens": tokens, "how": "estimated"},
+        )
+    resolution = args.resolution or SWEEP_RESOLUTION
+    quiet = args.json
+    tokens, plans = longest_context(
+        config,
+        config.parallelism.cp_style,
+        budget,
+        args.world_size,
+        (lambda _: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
+        resolution,
+        full_trace=args.full_trace,
+        known=plan,
+    )
+    return (
+        f"  longest context      : {tokens:,} tokens at these settings (searched with "
+        f"{len(plans)} plans, to within {resolution:.0%}; --max-context searches the settings "
+        "too)",
+        {"tokens": tokens, "how": "searched", "plans": len(plans), "resolution": resolution},
     )
 
 
 SWEEP_FILES = ("sweep.csv", "sweep.png")
+SWEEP_RESOLUTION = 0.03
+"""The longest context's precision in ``--sweep`` and ``--longest`` (a fraction of it)."""
 
 
 def write_sweep(
@@ -323,8 +369,8 @@ def main(argv: list[str]) -> int:
         "--resolution",
         type=_fraction,
         default=None,
-        help="precision of the longest context, as a fraction of it (default: 0.03 for "
-        "--sweep, one step of 1024 tokens per GPU for --max-context)",
+        help="precision of the longest context, as a fraction of it (default: 0.03 for --longest "
+        "and --sweep, one step of 1024 tokens per GPU for --max-context)",
     )
     parser.add_argument(
         "--full-trace",
@@ -332,6 +378,12 @@ def main(argv: list[str]) -> int:
         help="trace every block of the model (minutes for deep models); by default the step is "
         "traced on a shallower model that shows every distinct block and stands for the full "
         "one, to the byte (upipe_dtensor/planning/depth.py)",
+    )
+    parser.add_argument(
+        "--longest",
+        action="store_true",
+        help="one plan: search the longest context at the job's own settings with plans (a few "
+        "more plans; by default it is estimated from the one plan)",
     )
     parser.add_argument("--out", default="outputs/plan", help="folder for sweep.csv and sweep.png")
     parser.add_argument(
@@ -354,6 +406,8 @@ def main(argv: list[str]) -> int:
     searching = args.max_context or args.objective == "speed"
     if args.objective == "speed" and (args.max_context or args.sweep):
         parser.error("--objective speed is a search of its own; leave out --max-context/--sweep")
+    if args.longest and (searching or args.sweep):
+        parser.error("--longest applies to one plan; --max-context and --sweep search already")
     if args.search is not None and not searching:
         parser.error("--search applies to --max-context and --objective speed")
     styles = args.styles or ["upipe", "ulysses"]
@@ -381,7 +435,7 @@ def _sweep(args, config: JobConfig, styles: list[str], budget: Budget) -> None:
         start = _with(config, seq_len=config.training.seq_len, cp_style=style)
         refuse_impossible(start, world_size, budget, (config.training.enable_cpu_offload,))
     log = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
-    resolution = 0.03 if args.resolution is None else args.resolution
+    resolution = SWEEP_RESOLUTION if args.resolution is None else args.resolution
     results = {
         style: longest_context(
             config, style, budget, args.world_size, log, resolution, args.full_trace
@@ -467,13 +521,17 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
         _sweep(args, config, styles, budget)
         return
     plan = plan_job(config, budget, args.world_size, full_trace=args.full_trace)
+    if not args.json:
+        print(plan.render(), flush=True)
+        if plan.speed:
+            print(interval_line(plan.speed.step_time_s, config.checkpoint.interval), flush=True)
+    line, longest = longest_context_line(config, plan, args, budget)
     if args.json:
         interval = suggested_interval(plan.speed.step_time_s) if plan.speed else None
-        print(json.dumps({**plan.as_dict(), "checkpoint_interval": interval}, indent=2))
-    else:
-        print(plan.render())
-        if plan.speed:
-            print(interval_line(plan.speed.step_time_s, config.checkpoint.interval))
+        report = {**plan.as_dict(), "checkpoint_interval": interval, "longest_context": longest}
+        print(json.dumps(report, indent=2))
+    elif line:
+        print(line)
     if not plan.fits:
         raise DoesNotFit(
             f"{config.config_file}: {plan.verdict}: {plan.device_peak_bytes / GiB:.2f} GiB per "
