@@ -9,6 +9,7 @@ its top-k experts, as in transformers)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -180,15 +181,19 @@ def _run(tmp: Path, name: str, cp: int, *extra: str) -> dict:
 
 
 def test_the_moe_debug_job_trains_and_balances_its_experts_as_on_one_rank(tmp_path: Path) -> None:
-    """train_configs/qwen3_moe_debug.toml (UPipe) on 2 ranks, and on 4 with its experts over ep 2
-    (each expert FSDP-sharded over the 2 groups) and its blocks compiled (the attention halves;
-    the MoE halves eager): the losses of one rank within 1e-5 and falling, and the same expert
-    biases after 4 steps of torchtitan's load balancing (each step's tokens per expert summed
-    over the ranks), which did move them."""
+    """train_configs/qwen3_moe_debug.toml (UPipe) on 2 ranks, and one rank's step-2 snapshot
+    resumed on 4 with the experts over ep 2 (each expert FSDP-sharded over the 2 groups) and the
+    blocks compiled (the attention halves; the MoE halves eager): the losses of one rank within
+    1e-5 and falling, and the same expert biases after 4 steps of torchtitan's load balancing
+    (each step's tokens per expert summed over the ranks), which did move them."""
     one = _run(tmp_path, "cp1", 1)
+    resumed = tmp_path / "cp4-ep2"  # the one-rank job's folder as it was after step 2
+    shutil.copytree(tmp_path / "cp1", resumed)
+    shutil.rmtree(resumed / "checkpoint" / "step-4")
     ep = ("--parallelism.expert_parallel_degree", "2", "--compile.enable", "true")
-    for run in (_run(tmp_path, "cp2", 2), _run(tmp_path, "cp4-ep2", 4, *ep)):
-        for step, (a, e) in enumerate(zip(run["losses"], one["losses"], strict=True), 1):
+    for run, first in ((_run(tmp_path, "cp2", 2), 1), (_run(tmp_path, "cp4-ep2", 4, *ep), 3)):
+        expected = one["losses"][first - 1 :]
+        for step, (a, e) in enumerate(zip(run["losses"], expected, strict=True), first):
             assert abs(a - e) <= 1e-5 * abs(e), f"step {step}: {a} vs {e}"
         assert run["biases"] == one["biases"]
     assert one["losses"][-1] < one["losses"][0]
