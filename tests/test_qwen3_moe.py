@@ -25,6 +25,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from upipe_dtensor import convert
 from upipe_dtensor.config import ConfigError, check_job, parse_args
 from upipe_dtensor.models import family_of
+from upipe_dtensor.models.hf_config import model_args
 from upipe_dtensor.train.build import build_parallel_model, load_initial_weights
 from upipe_dtensor.train.trainer import Trainer
 
@@ -224,3 +225,17 @@ def test_tensor_parallelism_is_refused_in_one_line() -> None:
     config = parse_args(["--config", str(MOE_DEBUG), "--parallelism.tensor_parallel_degree", "2"])
     with pytest.raises(ConfigError, match=r"tensor_parallel_degree = 2: the qwen3_moe family's"):
         check_job(config, world_size=4)
+
+
+def test_an_export_says_the_expert_biases_it_leaves_out() -> None:
+    """Qwen3MoeForCausalLM has no place for torchtitan's load-balancing biases, which move each
+    token's choice of experts: an export with any nonzero says so, one without says nothing."""
+    args = model_args(parse_args(["--config", str(MOE_DEBUG)]).model, 64)
+    with torch.device("meta"):
+        model = family_of(args).model_class(args)
+    note = family_of(args).hf_export_note
+    for block in model.layers.values():
+        block.moe.expert_bias_E = torch.zeros(args.num_experts)
+    assert note(model) == ""
+    block.moe.expert_bias_E[3] = -0.25
+    assert "biases (largest 0.25) are not part of Qwen3MoeForCausalLM" in note(model)

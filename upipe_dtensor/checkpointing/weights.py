@@ -271,6 +271,13 @@ def save_hf_weights(
             shutil.rmtree(partial, ignore_errors=True)  # ours, left only by a failure
 
 
+def hf_export_note(model: nn.Module, args: ModelArgs) -> str:
+    """What the Hugging Face export of ``model`` leaves out that changes its numbers, in words
+    ("" if nothing does; ``ModelFamily.hf_export_note``)."""
+    note = family_of(args).hf_export_note
+    return note(model) if note is not None else ""
+
+
 def _write_hf_folder(
     model: nn.Module,
     args: ModelArgs,

@@ -33,6 +33,7 @@ import torch
 from upipe_dtensor.checkpointing.model_record import check_model_unchanged
 from upipe_dtensor.checkpointing.outputs import kept_note, refuse_nonempty
 from upipe_dtensor.checkpointing.weights import (
+    hf_export_note,
     load_dcp_weights,
     load_hf_weights,
     save_dcp_weights,
@@ -92,7 +93,9 @@ def to_hf(
         tokenizer_folder=config.model.tokenizer_folder,
         overwrite=overwrite,
     )
-    return f"wrote the Hugging Face model to {target}{kept_note(kept, 'convert')}"
+    left_out = hf_export_note(model, args)
+    note = f"\nnote: {left_out}" if left_out else ""
+    return f"wrote the Hugging Face model to {target}{kept_note(kept, 'convert')}{note}"
 
 
 def _holds_tokenizer(folder: str) -> bool:

@@ -68,6 +68,9 @@ class ModelFamily:
     balanced_routing: Callable[[], AbstractContextManager] | None = None
     """A context in which expert parallelism's exchanges are sized for evenly spread routing,
     which the planner's fake step assumes (fake tensors hold no routing to read)."""
+    hf_export_note: Callable[[nn.Module], str] | None = None
+    """``model ->`` what its Hugging Face export leaves out that changes its numbers, in words
+    ("" if nothing does): said beside the export."""
     hf_extra_fields: Callable[[Any], dict[str, Any]] | None = None
     """``args ->`` the config.json fields of the family's shape beyond the dense decoder's
     (``models.hf_config.shape_fields``), such as a mixture of experts' counts."""
@@ -153,6 +156,7 @@ def _register(name: str, hf_model_type: str, hf_architecture: str) -> None:
             expert_parallel=getattr(module, "EXPERT_PARALLEL", None),
             balanced_routing=getattr(module, "BALANCED_ROUTING", None),
             hf_extra_fields=getattr(module, "hf_extra_fields", None),
+            hf_export_note=getattr(module, "hf_export_note", None),
         )
     )
 

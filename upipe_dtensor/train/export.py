@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from upipe_dtensor.checkpointing.outputs import refuse_nonempty
-from upipe_dtensor.checkpointing.weights import save_hf_weights
+from upipe_dtensor.checkpointing.weights import hf_export_note, save_hf_weights
 from upipe_dtensor.config import JobConfig
 from upipe_dtensor.models import LongContextModel
 from upipe_dtensor.train.parallelize import DTYPES
@@ -44,4 +44,7 @@ def export_hf(model: LongContextModel, config: JobConfig, step: int) -> str:
         tokenizer_folder=config.model.tokenizer_folder,
     )
     logger.info("wrote the Hugging Face model to %s", folder)
+    left_out = hf_export_note(model, model.model_args)
+    if left_out:
+        logger.warning("%s: %s", folder, left_out)
     return folder

@@ -224,3 +224,20 @@ def hf_extra_fields(args: Qwen3MoeArgs) -> dict[str, Any]:
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
+
+
+def hf_export_note(model: nn.Module) -> str:
+    """What a Hugging Face export of ``model`` leaves out that changes its numbers: the expert
+    biases of torchtitan's load balancing, which move each token's choice of experts and have no
+    place in ``Qwen3MoeForCausalLM`` (it routes by the router's scores alone); "" when they are
+    all zero (no balancing step has run)."""
+    biases = [m.expert_bias_E for m in model.modules() if isinstance(m, MoE)]
+    biases = [bias for bias in biases if bias is not None]
+    largest = max((float(b.abs().max()) for b in biases), default=0.0)
+    if largest == 0:
+        return ""
+    return (
+        f"the experts' load-balancing biases (largest {largest:.3g}) are not part of "
+        "Qwen3MoeForCausalLM: the exported model picks experts by the router's scores alone, "
+        "so some tokens may take other experts than they do here"
+    )
