@@ -17,7 +17,13 @@ import pytest
 from upipe_dtensor import plan as plan_cli
 from upipe_dtensor.config import ConfigError, parse_args
 from upipe_dtensor.planning.length_search import GRANULE_TOKENS_PER_RANK, longest_fitting, tolerance
-from upipe_dtensor.planning.max_context import KNOB_NAMES, find_max_context, knobs, on_world
+from upipe_dtensor.planning.max_context import (
+    KNOB_NAMES,
+    SEARCH_NAMES,
+    find_max_context,
+    knobs,
+    on_world,
+)
 from upipe_dtensor.planning.step import Budget, Plan, plan_job
 
 pytestmark = pytest.mark.unit
@@ -318,7 +324,7 @@ def test_knobs_follow_the_layout() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max-context", "--search", "heads,tiles"], "choose from " + ", ".join(KNOB_NAMES)),
+        (["--max-context", "--search", "heads,tiles"], "choose from " + ", ".join(SEARCH_NAMES)),
         (["--search", "heads_per_stage"], "--search applies to --max-context"),
         (["--max-context", "--sweep", "seq_len"], "not allowed with argument"),
         (["--max-context", "--styles", "upipe"], "--styles applies to --sweep"),
@@ -350,3 +356,30 @@ def test_settings_that_cannot_apply_are_config_errors() -> None:
         match=r"--search sequence_chunks: does not apply here .*searchable now: fsdp_cpu_offload",
     ):
         find_max_context(ulysses, Budget(), world_size=2, search=["sequence_chunks"])
+
+
+def test_tensor_parallel_is_searched_around_the_other_settings(tmp_path: Path, capsys) -> None:
+    """``--search tensor_parallel`` runs the search once per degree that divides a node (each on
+    its own layout: cp = world / tp), keeps the longest (then the fastest), says what every
+    degree reached or why it could not run, and prints a recipe that plans as reported."""
+    report = _max_context_json(
+        tmp_path,
+        capsys,
+        "--device-memory-gib",
+        "3.15",
+        "--world-size",
+        "4",
+        "--gpus-per-node",
+        "4",
+        "--search",
+        "tensor_parallel",
+    )
+    found = report["by_tensor_parallel"]
+    assert set(found) == {"1", "2", "4"}
+    ran = {int(tp): r for tp, r in found.items() if isinstance(r, dict)}
+    assert len(ran) >= 2, found
+    best = max(ran, key=lambda tp: (ran[tp]["seq_len"], ran[tp]["tokens_per_s_per_gpu"]))
+    assert report["settings"]["tensor_parallel"] == best
+    assert report["seq_len"] == ran[best]["seq_len"]
+    assert f"tensor_parallel_degree = {best}" in report["recipe_toml"]
+    _check_printed_recipe(tmp_path, report)

@@ -49,7 +49,7 @@ from upipe_dtensor.planning.length_search import (
     longest_fitting,
 )
 from upipe_dtensor.planning.max_context import (
-    KNOB_NAMES,
+    SEARCH_NAMES,
     find_max_context,
     limit_of,
     recipe_toml,
@@ -301,7 +301,7 @@ def _names(kind: str, choices: Collection[str], example: str) -> Callable[[str],
 
 
 _styles = _names("cp style", STYLES, "upipe,ulysses")
-_knobs = _names("setting", KNOB_NAMES, "heads_per_stage,fsdp_cpu_offload")
+_knobs = _names("setting", SEARCH_NAMES, "heads_per_stage,fsdp_cpu_offload")
 
 
 def main(argv: list[str]) -> int:
@@ -362,8 +362,9 @@ def main(argv: list[str]) -> int:
         "--search",
         type=_knobs,
         default=None,
-        help=f"--max-context: settings to search, comma-separated, from: {', '.join(KNOB_NAMES)} "
-        "(default: every one that applies; the others stay as the recipe has them)",
+        help=f"--max-context: settings to search, comma-separated, from: {', '.join(SEARCH_NAMES)} "
+        "(default: every one that applies, tensor_parallel aside: it runs the whole search once "
+        "per degree; the others stay as the recipe has them)",
     )
     parser.add_argument(
         "--resolution",

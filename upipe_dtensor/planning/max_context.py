@@ -53,6 +53,12 @@ relaxed setting is kept only if the step-time model (``planning.step_time``, the
 predicts it no slower, by its central value (not the band): the order above is the expected one,
 the model decides.
 
+**Tensor parallelism** (``--search tensor_parallel``, only when named: it multiplies the search)
+is a choice around both phases rather than a setting inside them: it changes how the world splits
+(cp = world / tp, the heads each rank holds), so the whole search runs once per degree that fits
+the model and a node (tp divides the GPUs per node, the query and KV heads), and the longest
+context wins (``--objective speed``: the fastest). The recipe says what each degree reached.
+
 ``--objective speed`` skips phase 1: at the recipe's own seq_len it starts from every setting at
 its saving end (which must fit) and relaxes the same way, giving the fastest settings that fit.
 
@@ -64,6 +70,7 @@ the plans before it did not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -152,6 +159,8 @@ KNOB_NAMES = (
     "overlap_stages",
 )
 """Every setting the search knows, in relaxation order (see the module docstring)."""
+SEARCH_NAMES = ("tensor_parallel", *KNOB_NAMES)
+"""What ``--search`` may name: tensor parallelism (around the rest) and every setting."""
 
 
 def knobs(config: JobConfig) -> dict[str, Knob | str]:
@@ -355,6 +364,8 @@ class MaxContext:
     traces: int = 0
     """Steps traced: plans whose traced job was traced already are rebuilt from that trace
     (``step.TraceCache``)."""
+    by_tensor_parallel: dict[int, MaxContext | str] = field(default_factory=dict)
+    """With tensor parallelism searched: each degree's own result, or why it could not run."""
 
     @property
     def seq_len(self) -> int:
@@ -386,6 +397,10 @@ class MaxContext:
             "seconds": round(self.seconds, 1),
             "traces": self.traces,
             "objective": self.objective,
+            "by_tensor_parallel": {
+                tp: found if isinstance(found, str) else _summary(found.plan)
+                for tp, found in self.by_tensor_parallel.items()
+            },
         }
 
 
@@ -394,6 +409,28 @@ def describe(settings: dict[str, Any], searched: list[Knob], recipe_keep: str) -
         knob.show(settings[knob.name])
         for knob in searched
         if not _inert(knob.name, settings, recipe_keep)
+    )
+
+
+TENSOR_PARALLEL = SEARCH_NAMES[0]
+"""``--search`` name of the tensor-parallel degree, searched around the rest (module docstring)."""
+
+
+def _summary(plan: Plan) -> dict[str, Any]:
+    return {
+        "seq_len": plan.seq_len,
+        "device_peak_bytes": plan.device_peak_bytes,
+        "host_per_node_bytes": plan.host_per_node_bytes,
+        "tokens_per_s_per_gpu": plan.speed.tokens_per_s_per_gpu if plan.speed else None,
+        "tokens_per_s_per_gpu_range": (
+            list(plan.speed.tokens_per_s_per_gpu_range) if plan.speed else None
+        ),
+    }
+
+
+def _tensor_parallel_knob(degrees: tuple[int, ...]) -> Knob:
+    return _setting(
+        TENSOR_PARALLEL, degrees, "parallelism.tensor_parallel_degree", lambda tp: f"tp {tp}"
     )
 
 
@@ -411,8 +448,72 @@ def find_max_context(
 ) -> MaxContext:
     """Run both phases (module docstring) for ``config`` on ``world_size`` GPUs (default: the
     recipe's world, cp x dp_shard). ``search`` names the settings to search (default: all that
-    apply); the rest stay as the recipe has them. ``objective="speed"``: only phase 2, at the
-    recipe's seq_len. ``full_trace``: every plan traces every block (``plan_job``)."""
+    apply, tensor parallelism aside); the rest stay as the recipe has them.
+    ``objective="speed"``: only phase 2, at the recipe's seq_len. ``full_trace``: every plan
+    traces every block (``plan_job``)."""
+    search_one = functools.partial(
+        _find_at_one_degree,
+        budget=budget,
+        resolution=resolution,
+        log=log,
+        objective=objective,
+        full_trace=full_trace,
+    )
+    if search is None or TENSOR_PARALLEL not in search:
+        return search_one(config, world_size, search)
+    started = time.perf_counter()
+    world_size = world_size or config.parallelism.world_size
+    inner = [name for name in search if name != TENSOR_PARALLEL]
+    degrees = tuple(
+        tp for tp in range(1, budget.gpus_per_node + 1) if budget.gpus_per_node % tp == 0
+    )
+    results: dict[int, MaxContext | str] = {}
+    for tp in degrees:
+        log(f"tensor_parallel_degree {tp}:")
+        try:
+            at = config.with_values({"parallelism.tensor_parallel_degree": tp})
+            check_job(on_world(at, world_size, budget.gpus_per_node), world_size)
+            results[tp] = search_one(at, world_size, inner)
+        except (ConfigError, DoesNotFit) as err:
+            results[tp] = str(err).splitlines()[0]
+            log(f"  tp {tp}: {results[tp]}")
+    found = {tp: r for tp, r in results.items() if isinstance(r, MaxContext)}
+    if not found:
+        raise DoesNotFit(
+            "no tensor-parallel degree fits: "
+            + "; ".join(f"tp {tp}: {why}" for tp, why in results.items())
+        )
+
+    def rank(result: MaxContext) -> tuple[float, float]:
+        speed = result.plan.speed.tokens_per_s_per_gpu if result.plan.speed else 0.0
+        return (speed, result.seq_len) if objective == "speed" else (result.seq_len, speed)
+
+    tp, best = max(found.items(), key=lambda item: rank(item[1]))
+    knob = _tensor_parallel_knob(tuple(found))
+    return dataclasses.replace(
+        best,
+        settings={TENSOR_PARALLEL: tp, **best.settings},
+        searched=[knob, *best.searched],
+        not_searched={n: w for n, w in best.not_searched.items() if n != TENSOR_PARALLEL},
+        plans=[p for r in found.values() for p in r.plans],
+        seconds=time.perf_counter() - started,
+        traces=sum(r.traces for r in found.values()),
+        by_tensor_parallel=results,
+    )
+
+
+def _find_at_one_degree(
+    config: JobConfig,
+    world_size: int | None,
+    search: list[str] | None,
+    *,
+    budget: Budget,
+    resolution: float,
+    log: Callable[[str], None],
+    objective: str,
+    full_trace: bool,
+) -> MaxContext:
+    """``find_max_context`` at the job's own tensor-parallel degree."""
     started = time.perf_counter()
     traces = TraceCache(size=8)
     recipe_world = config.parallelism.world_size
@@ -696,6 +797,24 @@ def recipe_toml(result: MaxContext, command: str) -> str:
         + speed,
         f"Found by: {command} ({len(result.plans)} plans, {result.traces} traced, "
         f"{result.seconds / 60:.1f} min).",
+        *(
+            [
+                "Tensor-parallel degrees: "
+                + "; ".join(
+                    f"tp {tp}: "
+                    + (
+                        found
+                        if isinstance(found, str)
+                        else f"{found.seq_len:,} tokens"
+                        + (f", {found.plan.speed.tokens_text()}" if found.plan.speed else "")
+                    )
+                    for tp, found in result.by_tensor_parallel.items()
+                )
+                + "."
+            ]
+            if result.by_tensor_parallel
+            else []
+        ),
         "Searched, most memory-saving first: "
         + "; ".join(f"{k.name} {', '.join(k.show(v) for v in k.values)}" for k in result.searched)
         + ".",
