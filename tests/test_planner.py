@@ -21,6 +21,7 @@ from harness import run_on_ranks
 from upipe_dtensor.config import parse_args
 from upipe_dtensor.modes import loops as loop_modes
 from upipe_dtensor.modes.ops import transparent_ops
+from upipe_dtensor.planning import cli as plan_cli
 from upipe_dtensor.planning.compiled import shared_compiles
 from upipe_dtensor.planning.step import (
     CUDA_CONTEXT,
@@ -331,6 +332,17 @@ def test_an_expert_parallel_plan_prices_its_exchanges_and_syncs(tmp_path: Path) 
     assert plan.speed.time_breakdown_s["exposed head all-to-all"] > 0
     assert plan.host_syncs_per_step == plan.n_layers  # no recompute in the debug job
     assert f"{NCCL_BUFFERS} (5 communicators)" in plan.device_breakdown
+
+
+def test_a_tiled_moe_plan_shows_its_buffers_untiled_too(tmp_path: Path, capsys) -> None:
+    """What tiling the MoE blocks buys, in the plan itself: their buffers planned again untiled."""
+    config = ["--config", str(REPO / "train_configs/qwen3_moe_debug.toml")]
+    tiled = ["--memory.tiled_mlp", "true", "--memory.mlp_tile_tokens", "64"]
+    assert plan_cli.main([*config, *tiled, "--json", "--job.dump_folder", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["untiled_moe"]["experts_high_bytes"] > 2 * report["experts_high_bytes"] > 0
+    assert plan_cli.main([*config, "--json", "--job.dump_folder", str(tmp_path)]) == 0
+    assert "untiled_moe" not in json.loads(capsys.readouterr().out)  # nothing tiled: no line
 
 
 def test_cli_json_and_sweep(tmp_path: Path) -> None:

@@ -113,6 +113,29 @@ def longest_context(
     )
 
 
+def untiled_experts_line(config: JobConfig, plan: Plan, args, budget: Budget) -> tuple[str, dict]:
+    """For a mixture of experts whose MoE blocks run in tiles: their buffers' high-water mark
+    planned again untiled, beside the tiled one (what tiling them buys); nothing otherwise."""
+    if not (plan.experts_high_bytes and config.memory.tiled_mlp):
+        return "", {}
+    untiled = plan_job(
+        config.with_values({"memory.tiled_mlp": False}),
+        budget,
+        args.world_size,
+        full_trace=args.full_trace,
+    )
+    share = plan.experts_high_bytes / max(untiled.experts_high_bytes, 1)
+    return (
+        f"  untiled MoE blocks   : {untiled.experts_high_bytes / GiB:8.2f} GiB at most ([memory] "
+        f"tiled_mlp = false, planned again: the step {untiled.device_peak_bytes / GiB:.2f} GiB, "
+        f"{untiled.verdict}); tiled they hold {share:.0%} of it",
+        {
+            "experts_high_bytes": untiled.experts_high_bytes,
+            "device_peak_bytes": untiled.device_peak_bytes,
+        },
+    )
+
+
 def longest_context_line(config: JobConfig, plan: Plan, args, budget: Budget) -> tuple[str, dict]:
     """The longest context at the job's own settings, in words and as JSON: searched with plans
     (``--longest``) or, by default, estimated from the one plan made (``length_search``)."""
@@ -526,13 +549,16 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
         print(plan.render(), flush=True)
         if plan.speed:
             print(interval_line(plan.speed.step_time_s, config.checkpoint.interval), flush=True)
+    untiled_line, untiled = untiled_experts_line(config, plan, args, budget)
     line, longest = longest_context_line(config, plan, args, budget)
     if args.json:
         interval = suggested_interval(plan.speed.step_time_s) if plan.speed else None
         report = {**plan.as_dict(), "checkpoint_interval": interval, "longest_context": longest}
-        print(json.dumps(report, indent=2))
-    elif line:
-        print(line)
+        print(json.dumps(report | ({"untiled_moe": untiled} if untiled else {}), indent=2))
+    else:
+        for text in (untiled_line, line):
+            if text:
+                print(text)
     if not plan.fits:
         raise DoesNotFit(
             f"{config.config_file}: {plan.verdict}: {plan.device_peak_bytes / GiB:.2f} GiB per "
