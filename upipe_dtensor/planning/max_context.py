@@ -428,9 +428,30 @@ def _summary(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _with_tensor_parallel(config: JobConfig, tp: int, world: int, gpus_per_node: int) -> JobConfig:
+    """``config`` at tensor-parallel degree ``tp``, laid out on ``world`` GPUs (cp = world / tp);
+    a ``heads_per_stage`` that does not split one tp rank's heads over the head axis there is
+    unset (U = C, the least memory)."""
+    at = on_world(
+        config.with_values({"parallelism.tensor_parallel_degree": tp}), world, gpus_per_node
+    )
+    stage = at.value("parallelism.heads_per_stage")
+    if stage is None or not at.parallelism.style.takes("heads_per_stage"):
+        return at
+    args = model_args(at.model, at.training.seq_len)
+    n_kv = args.n_kv_heads or args.n_heads
+    valid = valid_heads_per_stage(args.n_heads // tp, n_kv // tp, at.parallelism.head_degree)
+    return at if stage in valid else at.with_values({"parallelism.heads_per_stage": None})
+
+
 def _tensor_parallel_knob(degrees: tuple[int, ...]) -> Knob:
-    return _setting(
-        TENSOR_PARALLEL, degrees, "parallelism.tensor_parallel_degree", lambda tp: f"tp {tp}"
+    """The degree as the printed recipe sets it (with the heads per stage it may have unset)."""
+    return Knob(
+        TENSOR_PARALLEL,
+        degrees,
+        ("parallelism.tensor_parallel_degree", "parallelism.heads_per_stage"),
+        lambda config, tp: config.with_values({"parallelism.tensor_parallel_degree": tp}),
+        lambda tp: f"tp {tp}",
     )
 
 
@@ -463,16 +484,17 @@ def find_max_context(
         return search_one(config, world_size, search)
     started = time.perf_counter()
     world_size = world_size or config.parallelism.world_size
+    seq_len = config.training.seq_len * world_size // config.parallelism.world_size
+    config = config.with_values({"training.seq_len": seq_len})  # as on the recipe's own layout
     inner = [name for name in search if name != TENSOR_PARALLEL]
-    degrees = tuple(
-        tp for tp in range(1, budget.gpus_per_node + 1) if budget.gpus_per_node % tp == 0
-    )
+    per_node = budget.gpus_per_node  # a tensor-parallel group stays inside a node
+    degrees = tuple(tp for tp in range(1, per_node + 1) if per_node % tp == 0)
     results: dict[int, MaxContext | str] = {}
     for tp in degrees:
         log(f"tensor_parallel_degree {tp}:")
         try:
-            at = config.with_values({"parallelism.tensor_parallel_degree": tp})
-            check_job(on_world(at, world_size, budget.gpus_per_node), world_size)
+            at = _with_tensor_parallel(config, tp, world_size, budget.gpus_per_node)
+            check_job(at, world_size)
             results[tp] = search_one(at, world_size, inner)
         except (ConfigError, DoesNotFit) as err:
             results[tp] = str(err).splitlines()[0]
@@ -770,6 +792,8 @@ def recipe_toml(result: MaxContext, command: str) -> str:
     recipe = Path(config.config_file or "recipe.toml")
     extends, inherited = _extended(config, recipe, keys)
     for key in inherited:
+        if key == "job.dump_folder":  # set above, in every printed recipe
+            continue
         section, name = key.split(".")
         sections.setdefault(section, []).append(f"{name} = {_toml_value(config.value(key))}")
     nodes = -(-plan.world_size // budget.gpus_per_node)
