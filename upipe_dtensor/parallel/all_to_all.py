@@ -6,10 +6,21 @@ an ``Exchange`` to wait on later: the Ulysses-family ops (``projections``, under
 FPDT ops) overlap the next stage's exchanges with this stage's attention. They run inside the
 attention custom op (``attention_op``), which compile sees as one opaque node, so they need no
 fake implementation of their own. Works with gloo (CPU) and NCCL (CUDA).
+
+On CPU an exchange's buffers are freed where the caller lets go of them, never later: gloo's
+worker thread holds the all-to-all's tensors until it drops its work object, which it does
+after ``wait`` has returned, so when the caller got on first (a busy core), the worker freed the
+buffer later, while the caller was already allocating the next ones, and the layer's peak rose
+by that buffer in some runs and not in others (issue 57: an 8 MiB send copy of the queries,
+Ulysses at GQA 32/8/16/16K). gloo is therefore handed aliases of the two buffers that nothing
+else holds, and ``Exchange.result`` waits until the worker has let go of them (a use count back
+to the alias's own) before the caller's references go.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -17,7 +28,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from upipe_dtensor.runtime.fake_process_group import fill_as_received
-from upipe_dtensor.runtime.torch_private import resolve_process_group
+from upipe_dtensor.runtime.torch_private import resolve_process_group, tensor_use_count
+
+RELEASE_TIMEOUT_S = 1.0
+"""The longest ``Exchange.result`` waits for gloo's worker to let go of an exchange's buffers
+(it takes microseconds; a core busy elsewhere may delay it some milliseconds)."""
 
 
 class Exchange:
@@ -34,8 +49,11 @@ class Exchange:
         recv: Tensor,
         work: dist.Work | None,
         arrange: Callable[[Tensor], Tensor],
+        lent: tuple[Tensor, ...] = (),
     ) -> None:
+        """``lent``: the aliases of the buffers the library holds (on CPU), to wait for."""
         self._send, self._recv, self._work, self._arrange = send, recv, work, arrange
+        self._lent = lent
 
     @classmethod
     def done(cls, x: Tensor) -> Exchange:
@@ -46,8 +64,24 @@ class Exchange:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            _let_go(self._lent)
+            self._lent = ()
         recv, self._send, self._recv = self._recv, None, None
         return self._arrange(recv)
+
+
+def _let_go(lent: tuple[Tensor, ...]) -> None:
+    """Wait until nothing but ``lent`` itself holds each alias: gloo's worker has dropped the
+    work that held it (module docstring), so the buffers are freed where the caller frees them.
+    At most ``RELEASE_TIMEOUT_S``."""
+    deadline = None
+    for alias in lent:
+        while tensor_use_count(alias) > 1:
+            now = time.monotonic()
+            deadline = deadline or now + RELEASE_TIMEOUT_S
+            if now > deadline:
+                return
+            os.sched_yield()
 
 
 Arrange = Callable[[Tensor], Tensor]
@@ -57,9 +91,12 @@ Arrange = Callable[[Tensor], Tensor]
 def start_exchange(send: Tensor, arrange: Arrange, group: dist.ProcessGroup | None) -> Exchange:
     """Start the all-to-all of ``send`` (in send layout: peer axis first, contiguous)."""
     recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    cpu = send.device.type == "cpu"
+    # On CPU (gloo) the library gets aliases that only it holds (the module docstring).
+    lent = (recv.detach(), send.detach()) if cpu else (recv, send)
+    work = dist.all_to_all_single(*lent, group=group, async_op=True)
     fill_as_received((recv,), (send,), group)  # a stand-in run's fake group: finite data
-    return Exchange(send, recv, work, arrange)
+    return Exchange(send, recv, work, arrange, lent if cpu else ())
 
 
 def sequence_to_heads(x: Tensor, head_degree: int) -> tuple[Tensor, Arrange]:

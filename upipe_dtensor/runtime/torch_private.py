@@ -134,6 +134,13 @@ push_torch_function_mode = torch.overrides._push_mode
 puts it back (planning.rehearsal). Checked on 2.13; the GPU machines run 2.11."""
 
 
+def tensor_use_count(tensor: torch.Tensor) -> int:
+    """How many C++ references hold ``tensor``'s TensorImpl (its Python object counts one): gloo's
+    worker thread lets go of an exchange's buffers after the exchange's ``wait`` returns
+    (parallel.all_to_all). Checked on 2.13; the GPU machines run 2.11."""
+    return torch.Tensor._use_count(tensor)
+
+
 def queue_backward_callback(callback) -> None:
     """Run ``callback`` when the running backward pass ends, through the autograd engine's queue
     (planning.depth). Checked on 2.13; the GPU machines run 2.11."""
@@ -213,5 +220,6 @@ __all__ = [
     "resolve_process_group",
     "select_decomp_table",
     "tag_to_layout_constraint",
+    "tensor_use_count",
     "unset_fake_temporarily",
 ]
