@@ -48,7 +48,9 @@ Run: ``python benchmarks/peer_attention.py`` (C = 4, float32, the four geometrie
 docs/memory-stack.md: MHA 32/32 heads of 16 at S = 16K, GQA 32/8 heads of 64 and of 128,
 Llama3-8B's, at S = 8K, and GQA 32/8 heads of 16 at S = 16K, where a rank's tokens outnumber the
 width 8 to 1 as at long context; about 50 minutes on 2 cores); ``--geometry H/KV/d/S``
-(repeatable) for others, ``--rows`` to pick rows, ``--json`` for machine output, ``--table
+(repeatable) for others, ``--rows`` to pick rows, ``--modes`` to measure only some of the four
+modes (e.g. ``--rows deepspeed "ours: Ulysses" --modes plain "plain frozen"``, one cell in
+minutes where the whole table takes an hour), ``--json`` for machine output, ``--table
 JSON`` to print the tables of a stored report (``benchmarks/results/peer_attention.json``, the
 docs' tables). The peers come with ``pip install -e ".[peers]"``; one that is not installed is
 skipped with one line.
@@ -64,7 +66,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -355,9 +357,15 @@ def prepare(
     return layer, x_shard, grad
 
 
-def measure(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) -> dict:
+def measure(
+    row: Row,
+    geometry: Geometry,
+    dtype: torch.dtype,
+    mesh: DeviceMesh,
+    modes: Sequence[str] = tuple(MODES),
+) -> dict:
     """This rank's numbers of one row: the time and outputs of a plain trainable call, then
-    each mode's peak."""
+    the peak of each of ``modes`` (in ``MODES``' order)."""
     layer, x_shard, grad = prepare(row, geometry, dtype, mesh)
     x = x_shard.clone().requires_grad_()
     dist.barrier()
@@ -371,6 +379,8 @@ def measure(row: Row, geometry: Geometry, dtype: torch.dtype, mesh: DeviceMesh) 
     layer.module.zero_grad(set_to_none=True)
     peaks = {}
     for mode, (checkpointed, frozen) in MODES.items():
+        if mode not in modes:
+            continue
         _set_frozen(layer.module, frozen)
         peaks[mode], dx = _peak(layer, x_shard, grad, checkpointed)
         if mode == "plain frozen":
@@ -421,14 +431,16 @@ def floors(geometry: Geometry, cp: int, dtype: torch.dtype) -> dict[str, int]:
     return {"trainable": 2 * activation + weights, "frozen": 2 * activation}
 
 
-def _rank_rows(rank: int, geometry: Geometry, dtype_name: str, rows: list[dict]) -> list[dict]:
+def _rank_rows(
+    rank: int, geometry: Geometry, dtype_name: str, rows: list[dict], modes: Sequence[str]
+) -> list[dict]:
     """One rank: every row in turn (the ranks stay in step through the collectives)."""
     dtype = DTYPES[dtype_name]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     reports, reference = [], None
     for spec in rows:
         row = Row(spec["name"], spec["peer"], spec["style"], tuple(map(tuple, spec["options"])))
-        mine = measure(row, geometry, dtype, mesh)
+        mine = measure(row, geometry, dtype, mesh, modes)
         reference = reference or mine
         diff = differences(mine, reference, geometry.seq_len)
         if mine is not reference:
@@ -448,11 +460,19 @@ def _rank_rows(rank: int, geometry: Geometry, dtype_name: str, rows: list[dict])
     return reports
 
 
-def run(geometry: Geometry, rows: list[Row], cp: int, dtype: str) -> list[dict]:
-    """Rank 0's reports of every row, on ``cp`` gloo processes; the first row is the reference
-    the differences are measured from."""
+def run(
+    geometry: Geometry,
+    rows: list[Row],
+    cp: int,
+    dtype: str,
+    modes: Sequence[str] = tuple(MODES),
+) -> list[dict]:
+    """Rank 0's reports of every row (the peaks of ``modes``), on ``cp`` gloo processes; the
+    first row is the reference the differences are measured from."""
     with preloaded():
-        return on_gloo_ranks(cp, _rank_rows, geometry, dtype, [asdict(r) for r in rows])
+        return on_gloo_ranks(
+            cp, _rank_rows, geometry, dtype, [asdict(r) for r in rows], list(modes)
+        )
 
 
 # --- reporting ---------------------------------------------------------------------------------
@@ -463,13 +483,14 @@ def markdown_table(reports: list[dict], floor: dict[str, int]) -> str:
     floor every row's window ends with."""
     reference = reports[0]
     ref_name = reference["row"]["name"]
+    modes = list(reference["peaks"])  # the modes measured (``--modes``)
     lines = [
-        f"| row | {' | '.join(MODES)} | time (s) | max diff vs {ref_name} |",
-        "|---|" + "---:|" * (len(MODES) + 2),
+        f"| row | {' | '.join(modes)} | time (s) | max diff vs {ref_name} |",
+        "|---|" + "---:|" * (len(modes) + 2),
     ]
     for r in reports:
         cells = []
-        for mode in MODES:
+        for mode in modes:
             mib = r["peaks"][mode] / MiB
             ratio = r["peaks"][mode] / reference["peaks"][mode]
             cells.append(f"{mib:.1f}" if r is reference else f"{mib:.1f} ({ratio:.2f}x)")
@@ -479,7 +500,7 @@ def markdown_table(reports: list[dict], floor: dict[str, int]) -> str:
             f"{diff['trainable']:.1e} / {diff['frozen']:.1e} |"
         )
     floor_cells = [
-        f"{floor['frozen' if 'frozen' in mode else 'trainable'] / MiB:.1f}" for mode in MODES
+        f"{floor['frozen' if 'frozen' in mode else 'trainable'] / MiB:.1f}" for mode in modes
     ]
     lines.append(f"| floor: y, dx (and weight grads) | {' | '.join(floor_cells)} | | |")
     return "\n".join(lines)
@@ -497,6 +518,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument(
         "--rows", nargs="+", help="only these rows (names as printed, or deepspeed, yunchang)"
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="only these modes"
     )
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument(
@@ -522,7 +546,7 @@ def main() -> None:
         if args.rows:
             rows = [r for r in rows if r.name in args.rows or r.peer in args.rows]
         start = time.perf_counter()
-        reports = run(geometry, rows, args.cp, args.dtype)
+        reports = run(geometry, rows, args.cp, args.dtype, args.modes)
         floor = floors(geometry, args.cp, DTYPES[args.dtype])
         results.append(
             {
