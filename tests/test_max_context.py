@@ -157,9 +157,11 @@ def test_max_context_on_two_nodes_prints_a_2d_recipe_without_sequence_chunks(
     tmp_path: Path, capsys
 ) -> None:
     """More GPUs than a node runs UPipe in 2D; the recipe's sequence chunks (which a ring axis
-    does not take) are switched off in the printed recipe, which loads, fits, and is the limit."""
+    does not take) are switched off in the printed recipe, which loads (its keys set once: the
+    dump folder too), fits, and is the limit."""
     (tmp_path / "chunked.toml").write_text(
-        'extends = "debug_model.toml"\n[parallelism]\nchunk_tokens = 2048\n'
+        'extends = "debug_model.toml"\n[job]\ndump_folder = "out"\n'
+        "[parallelism]\nchunk_tokens = 2048\n"
     )
     report = _max_context_json(
         tmp_path,
