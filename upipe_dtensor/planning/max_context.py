@@ -380,18 +380,7 @@ class MaxContext:
             "plan": self.plan.as_dict(),
             "limited_by": self.limited_by,
             "plans": [
-                {
-                    "seq_len": p.seq_len,
-                    "settings": s,
-                    "device_peak_bytes": p.device_peak_bytes,
-                    "host_per_node_bytes": p.host_per_node_bytes,
-                    "fits": p.fits,
-                    "exceeds": p.exceeds,
-                    "tokens_per_s_per_gpu": p.speed.tokens_per_s_per_gpu if p.speed else None,
-                    "tokens_per_s_per_gpu_range": (
-                        list(p.speed.tokens_per_s_per_gpu_range) if p.speed else None
-                    ),
-                }
+                {"settings": s, **_summary(p), "fits": p.fits, "exceeds": p.exceeds}
                 for s, p in self.plans
             ],
             "seconds": round(self.seconds, 1),
@@ -417,6 +406,7 @@ TENSOR_PARALLEL = SEARCH_NAMES[0]
 
 
 def _summary(plan: Plan) -> dict[str, Any]:
+    """A plan's length, memory and predicted speed, as the search's JSON lists them."""
     return {
         "seq_len": plan.seq_len,
         "device_peak_bytes": plan.device_peak_bytes,
