@@ -325,13 +325,19 @@ def test_plan_reports_breakdown_and_fit(tmp_path: Path) -> None:
 def test_an_expert_parallel_plan_prices_its_exchanges_and_syncs(tmp_path: Path) -> None:
     """Expert parallelism's token exchanges are their own row of the step time (not the heads'
     all-to-all, whose group they share at cp 4 x ep 2), each MoE block reads its token counts
-    on the host once, and its two communicators (ep, the experts' FSDP) are allowed for."""
-    plan = plan_job(_config(str(tmp_path), 4, JOBS["qwen3-moe, ep 2"]))
+    on the host once, and its two communicators (ep, the experts' FSDP) are allowed for; the
+    busiest rank of a skewed router (``expert_load``) holds and waits for more."""
+    config = _config(str(tmp_path), 4, JOBS["qwen3-moe, ep 2"])
+    plan = plan_job(config)
     assert "experts over 2 ranks" in plan.render()
-    assert plan.speed.time_breakdown_s["exposed expert all-to-all"] > 0
-    assert plan.speed.time_breakdown_s["exposed head all-to-all"] > 0
+    exchanges = plan.speed.time_breakdown_s["exposed expert all-to-all"]
+    assert exchanges > 0 and plan.speed.time_breakdown_s["exposed head all-to-all"] > 0
     assert plan.host_syncs_per_step == plan.n_layers  # no recompute in the debug job
     assert f"{NCCL_BUFFERS} (5 communicators)" in plan.device_breakdown
+    busiest = plan_job(config, expert_load=2)  # its experts get twice their even share
+    assert "receiving 2x their even share" in busiest.render()
+    assert busiest.experts_high_bytes > plan.experts_high_bytes
+    assert busiest.speed.time_breakdown_s["exposed expert all-to-all"] > exchanges
 
 
 def test_a_tiled_moe_plan_shows_its_buffers_untiled_too(tmp_path: Path, capsys) -> None:

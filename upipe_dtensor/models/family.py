@@ -65,9 +65,10 @@ class ModelFamily:
     expert_parallel: Callable[[nn.Module, Any], list[nn.Module]] | None = None
     """``(model, (efsdp, ep) mesh) ->`` its experts split over ``ep``, the grouped-experts
     modules returned for FSDP2 over ``efsdp`` (a mixture of experts only)."""
-    balanced_routing: Callable[[], AbstractContextManager] | None = None
-    """A context in which expert parallelism's exchanges are sized for evenly spread routing,
-    which the planner's fake step assumes (fake tensors hold no routing to read)."""
+    balanced_routing: Callable[[float], AbstractContextManager] | None = None
+    """``load ->`` a context in which expert parallelism's exchanges are sized for evenly spread
+    routing (``load`` > 1: this rank's experts receive that many times their share), which the
+    planner's fake step assumes (fake tensors hold no routing to read)."""
     hf_export_note: Callable[[nn.Module], str] | None = None
     """``model ->`` what its Hugging Face export leaves out that changes its numbers, in words
     ("" if nothing does): said beside the export."""

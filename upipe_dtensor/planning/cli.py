@@ -84,6 +84,7 @@ def longest_context(
     resolution: float,
     full_trace: bool = False,
     known: Plan | None = None,
+    expert_load: float = 1.0,
 ) -> tuple[int, list[Plan]]:
     """The longest seq_len (a multiple of 1024 * cp, to within ``resolution`` of itself) that
     fits, and every plan evaluated (``length_search``: a few secant steps from the recipe's
@@ -96,6 +97,7 @@ def longest_context(
             budget,
             world_size,
             full_trace=full_trace,
+            expert_load=expert_load,
         )
         log(
             f"  {cp_style:8s} {seq_len:>12,} tokens: {plan.device_peak_bytes / GiB:7.2f} GiB "
@@ -123,6 +125,7 @@ def untiled_experts_line(config: JobConfig, plan: Plan, args, budget: Budget) ->
         budget,
         args.world_size,
         full_trace=args.full_trace,
+        expert_load=args.expert_load,
     )
     share = plan.experts_high_bytes / max(untiled.experts_high_bytes, 1)
     return (
@@ -161,6 +164,7 @@ def longest_context_line(config: JobConfig, plan: Plan, args, budget: Budget) ->
         resolution,
         full_trace=args.full_trace,
         known=plan,
+        expert_load=args.expert_load,
     )
     return (
         f"  longest context      : {tokens:,} tokens at these settings (searched with "
@@ -297,6 +301,13 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _at_least_one(text: str) -> float:
+    value = _positive(float)(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1 (1: even routing)")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = _positive(float)(text)
     if value >= 1:
@@ -409,6 +420,14 @@ def main(argv: list[str]) -> int:
         help="one plan: search the longest context at the job's own settings with plans (a few "
         "more plans; by default it is estimated from the one plan)",
     )
+    parser.add_argument(
+        "--expert-load",
+        type=_at_least_one,
+        default=1.0,
+        help="one plan of a job with expert parallelism: plan the busiest rank, its experts "
+        "receiving this many times their even share of the routed tokens (default 1: even "
+        "routing)",
+    )
     parser.add_argument("--out", default="outputs/plan", help="folder for sweep.csv and sweep.png")
     parser.add_argument(
         "--overwrite", action="store_true", help="--sweep: replace an existing sweep.csv/png"
@@ -430,6 +449,8 @@ def main(argv: list[str]) -> int:
     searching = args.max_context or args.objective == "speed"
     if args.objective == "speed" and (args.max_context or args.sweep):
         parser.error("--objective speed is a search of its own; leave out --max-context/--sweep")
+    if args.expert_load != 1 and (searching or args.sweep):
+        parser.error("--expert-load applies to one plan (and its --longest)")
     if args.longest and (searching or args.sweep):
         parser.error("--longest applies to one plan; --max-context and --sweep search already")
     if args.search is not None and not searching:
@@ -544,7 +565,9 @@ def _answer(args, argv: list[str], overrides: list[str], styles: list[str], budg
     if args.sweep:
         _sweep(args, config, styles, budget)
         return
-    plan = plan_job(config, budget, args.world_size, full_trace=args.full_trace)
+    plan = plan_job(
+        config, budget, args.world_size, full_trace=args.full_trace, expert_load=args.expert_load
+    )
     if not args.json:
         print(plan.render(), flush=True)
         if plan.speed:

@@ -196,7 +196,10 @@ class Plan:
     step's peak. 0 for a dense model."""
     expert_parallel_degree: int = 1
     """Ranks each MoE block's experts are split over; their token exchanges are planned for a
-    router that spreads tokens evenly (``plan_job``)."""
+    router that spreads tokens evenly (``plan_job``), or for the busiest rank of a skewed one."""
+    expert_load: float = 1.0
+    """With expert parallelism: the planned rank's routed tokens as a multiple of its even share
+    (1: even routing; ``plan_job``)."""
 
     @property
     def fits_device(self) -> bool:
@@ -293,10 +296,15 @@ class Plan:
                 "an MoE block (router scores, permuted tokens, experts' hidden states)"
             )
         if self.expert_parallel_degree > 1:
+            routing = (
+                "evenly routed tokens (a skewed router sends some ranks more: --expert-load)"
+                if self.expert_load == 1
+                else f"the busiest rank, its experts receiving {self.expert_load:g}x their even "
+                "share"
+            )
             lines.append(
                 f"  expert parallelism   : experts over {self.expert_parallel_degree} ranks, "
-                "token exchanges sized for evenly routed tokens (a skewed router sends some "
-                "ranks more)"
+                f"token exchanges sized for {routing}"
             )
         lines += [
             f"  host per rank        : {self.host_peak_bytes / GiB:8.2f} GiB ({self.host_holds})",
@@ -526,6 +534,7 @@ def plan_job(
     profile: HardwareProfile | None = None,
     full_trace: bool = False,
     traces: TraceCache | None = None,
+    expert_load: float = 1.0,
 ) -> Plan:
     """Run one fake training step of ``config`` as rank 0 and report its memory and, priced with
     a hardware ``profile``, its time (``planning.step_time``).
@@ -548,7 +557,8 @@ def plan_job(
 
     Expert parallelism is planned with its router spreading tokens evenly over the experts
     (``ModelFamily.balanced_routing``): the exchanges' sizes come from the routing, which a fake
-    step does not have.
+    step does not have. ``expert_load`` > 1 plans the busiest rank instead, its experts
+    receiving that many times their even share (the step waits for it; its memory is the most).
     """
     budget = budget or Budget()
     parallelism = config.parallelism
@@ -563,6 +573,7 @@ def plan_job(
         world_size,
         target,
         budget.gpus_per_node,
+        expert_load,
     )
     traced = traces.get(key) if traces is not None else None
     if traced is None:
@@ -573,6 +584,7 @@ def plan_job(
             target,
             budget.gpus_per_node,
             replay=not full_trace,
+            expert_load=expert_load,
         )
         if traces is not None:
             traces.put(key, traced)
@@ -634,6 +646,7 @@ def plan_job(
         traced_layers=reduction.traced_layers if reduction is not None else args.n_layers,
         experts_high_bytes=peak.label_highs.get(EXPERTS, 0),
         expert_parallel_degree=parallelism.expert_parallel_degree,
+        expert_load=expert_load if parallelism.expert_parallel_degree > 1 else 1.0,
     )
 
 
@@ -664,6 +677,7 @@ def _trace(
     gpus_per_node: int,
     *,
     replay: bool,
+    expert_load: float = 1.0,
 ) -> TracedStep:
     """One fake step of ``config`` (the reduced-depth model of ``reduction``, with stand-ins for
     the blocks it does not trace), tracked, counted and rehearsed; ``replay``: attention
@@ -704,7 +718,7 @@ def _trace(
             else contextlib.nullcontext()
         )
         with (
-            _routing(config),
+            _routing(config, expert_load),
             planned_compile.fresh_compiles(compiled),
             _meshes_from_real_tensors(),
             FakeTensorMode(allow_non_fake_inputs=True),
@@ -752,11 +766,11 @@ def _trace(
         dist.destroy_process_group()
 
 
-def _routing(config: JobConfig) -> contextlib.AbstractContextManager:
+def _routing(config: JobConfig, expert_load: float) -> contextlib.AbstractContextManager:
     """The routing the step's expert-parallel exchanges are sized for (``plan_job``)."""
     if config.parallelism.expert_parallel_degree == 1:
         return contextlib.nullcontext()
-    return get_family(config.model.name).balanced_routing()
+    return get_family(config.model.name).balanced_routing(expert_load)
 
 
 def _overlapped_stages(parallelism: Parallelism, n_heads: int) -> int:

@@ -50,9 +50,11 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]
 
 
 @contextlib.contextmanager
-def balanced_routing() -> Iterator[None]:
+def balanced_routing(load: float = 1.0) -> Iterator[None]:
     """Expert-parallel exchanges sized as if the router spread every rank's routed tokens evenly
-    over the experts (routed row i to expert i mod E), for the planner's fake step: how many
+    over the experts (routed row i to expert i mod E), for the planner's fake step (``load`` > 1:
+    this rank's experts receive ``load`` times that from every rank, the busiest rank of a
+    skewed router; what it sends is its own tokens' share either way): how many
     tokens each rank sends and receives is read from the routing on the host, which fake tensors
     do not hold. The counts are still read on the host (one sync per MoE block, which the
     planner's rehearsal counts), so the step's syncs and the exchanges' shapes are the real
@@ -74,7 +76,8 @@ def balanced_routing() -> Iterator[None]:
         rows, experts = self._planned_rows, local_counts_E.shape[0]
         per_expert = [rows // experts + (e < rows % experts) for e in range(experts)]
         local = experts // ep_size
-        mine = per_expert[self.ep_mesh.get_local_rank() * local :][:local]
+        even = per_expert[self.ep_mesh.get_local_rank() * local :][:local]
+        mine = [round(count * load) for count in even]
         sent = [sum(per_expert[p * local : (p + 1) * local]) for p in range(ep_size)]
         received = global_counts_EP_e.new_tensor(mine * ep_size).reshape(-1)
         return received, sent, [sum(mine)] * ep_size
