@@ -153,7 +153,7 @@ def longest_context_line(config: JobConfig, plan: Plan, args, budget: Budget) ->
             "searches the settings too)",
             {"tokens": tokens, "how": "estimated"},
         )
-    resolution = args.resolution or SWEEP_RESOLUTION
+    resolution = SWEEP_RESOLUTION if args.resolution is None else args.resolution
     quiet = args.json
     tokens, plans = longest_context(
         config,

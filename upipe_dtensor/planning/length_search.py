@@ -41,7 +41,7 @@ def _closing_step(failing: int, granule: int, resolution: float) -> int:
     return max(1, math.floor(resolution * failing / ((1 + resolution) * granule))) * granule
 
 
-def crossing(plans: list[Plan], budget: Budget) -> float | None:
+def _crossing(plans: list[Plan], budget: Budget) -> float | None:
     """Where the budgets are first exceeded on the line through ``plans`` (one or two plans); None
     when the line does not cross (memory that does not grow with the sequence)."""
     roots = []
@@ -73,8 +73,8 @@ def crossing(plans: list[Plan], budget: Budget) -> float | None:
 
 def estimated_longest(plan: Plan, budget: Budget, granule: int) -> int | None:
     """The longest multiple of ``granule`` on the line through ``plan``'s fixed part and its
-    peak (``crossing``): an estimate from one plan, no search (None: memory does not grow)."""
-    at = crossing([plan], budget)
+    peak (``_crossing``): an estimate from one plan, no search (None: memory does not grow)."""
+    at = _crossing([plan], budget)
     return None if at is None else max(0, int(at // granule) * granule)
 
 
@@ -123,28 +123,26 @@ def longest_fitting(
             ordered = sorted(plans, key=lambda p: p.seq_len)
             line = ordered[-2:] if fit else ordered[:2]
             line = line if len(line) == 2 else [plan]
-        crossing_at = crossing(line, budget)
+        crossing = _crossing(line, budget)
         if fail is None:  # still looking for a length that does not fit: grow
             reach = MAX_GROWTH * fit.seq_len
-            guess = 2 * fit.seq_len if crossing_at is None else min(crossing_at, reach)
+            guess = 2 * fit.seq_len if crossing is None else min(crossing, reach)
             seq_len = max(
                 round_down(guess), fit.seq_len + tolerance(fit.seq_len, granule, resolution)
             )
         elif fit is None:  # still looking for one that fits: shrink
             guess = (
-                fail.seq_len / 2
-                if crossing_at is None
-                else max(crossing_at, fail.seq_len / MAX_GROWTH)
+                fail.seq_len / 2 if crossing is None else max(crossing, fail.seq_len / MAX_GROWTH)
             )
             seq_len = min(round_down(guess), fail.seq_len - granule)
         else:  # bracketed: step inside it, near the crossing, so that one outcome closes it
             lowest = fit.seq_len + tolerance(fit.seq_len, granule, resolution)
             highest = fail.seq_len - _closing_step(fail.seq_len, granule, resolution)
             stalled = len(moved) >= 2 and moved[-1] == moved[-2]  # the secant creeps from one side
-            if crossing_at is None or stalled or lowest > highest:
+            if crossing is None or stalled or lowest > highest:
                 seq_len = round_down((fit.seq_len + fail.seq_len) / 2)
             else:
-                seq_len = min(max(round_down(crossing_at), lowest), highest)
+                seq_len = min(max(round_down(crossing), lowest), highest)
             seq_len = min(max(seq_len, fit.seq_len + granule), fail.seq_len - granule)
     raise RuntimeError(
         f"the sequence-length search made {MAX_PLANS} plans without closing in on the limit: "
