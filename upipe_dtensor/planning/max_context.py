@@ -159,7 +159,9 @@ KNOB_NAMES = (
     "overlap_stages",
 )
 """Every setting the search knows, in relaxation order (see the module docstring)."""
-SEARCH_NAMES = ("tensor_parallel", *KNOB_NAMES)
+TENSOR_PARALLEL = "tensor_parallel"
+"""``--search`` name of the tensor-parallel degree, searched around the rest (module docstring)."""
+SEARCH_NAMES = (TENSOR_PARALLEL, *KNOB_NAMES)
 """What ``--search`` may name: tensor parallelism (around the rest) and every setting."""
 
 
@@ -401,10 +403,6 @@ def describe(settings: dict[str, Any], searched: list[Knob], recipe_keep: str) -
     )
 
 
-TENSOR_PARALLEL = SEARCH_NAMES[0]
-"""``--search`` name of the tensor-parallel degree, searched around the rest (module docstring)."""
-
-
 def _summary(plan: Plan) -> dict[str, Any]:
     """A plan's length, memory and predicted speed, as the search's JSON lists them."""
     return {
@@ -420,18 +418,15 @@ def _summary(plan: Plan) -> dict[str, Any]:
 
 def _with_tensor_parallel(config: JobConfig, tp: int, world: int, gpus_per_node: int) -> JobConfig:
     """``config`` at tensor-parallel degree ``tp``, laid out on ``world`` GPUs (cp = world / tp);
-    a ``heads_per_stage`` that does not split one tp rank's heads over the head axis there is
-    unset (U = C, the least memory)."""
+    a ``heads_per_stage`` that is not one of the values ``knobs`` finds there (it does not split
+    one tp rank's heads over the head axis) is unset (U = C, the least memory)."""
     at = on_world(
         config.with_values({"parallelism.tensor_parallel_degree": tp}), world, gpus_per_node
     )
-    stage = at.value("parallelism.heads_per_stage")
-    if stage is None or not at.parallelism.style.takes("heads_per_stage"):
+    stage, valid = at.value("parallelism.heads_per_stage"), knobs(at)["heads_per_stage"]
+    if stage is None or not isinstance(valid, Knob) or stage in valid.values:
         return at
-    args = model_args(at.model, at.training.seq_len)
-    n_kv = args.n_kv_heads or args.n_heads
-    valid = valid_heads_per_stage(args.n_heads // tp, n_kv // tp, at.parallelism.head_degree)
-    return at if stage in valid else at.with_values({"parallelism.heads_per_stage": None})
+    return at.with_values({"parallelism.heads_per_stage": None})
 
 
 def _tensor_parallel_knob(degrees: tuple[int, ...]) -> Knob:
@@ -748,6 +743,14 @@ def _extended(config: JobConfig, recipe: Path, keys: list[str]) -> tuple[str, li
     return os.path.relpath(base, recipe.resolve().parent), again
 
 
+def _reached(found: MaxContext | str) -> str:
+    """What one tensor-parallel degree's search reached, in words (or why it could not run)."""
+    if isinstance(found, str):
+        return found
+    speed = f", {found.plan.speed.tokens_text()}" if found.plan.speed else ""
+    return f"{found.seq_len:,} tokens{speed}"
+
+
 def recipe_toml(result: MaxContext, command: str) -> str:
     """A recipe that extends the given one with the length and settings found, the plan's numbers
     in comments (a file to save next to the given recipe), then the plan's breakdown as comments."""
@@ -815,14 +818,7 @@ def recipe_toml(result: MaxContext, command: str) -> str:
             [
                 "Tensor-parallel degrees: "
                 + "; ".join(
-                    f"tp {tp}: "
-                    + (
-                        found
-                        if isinstance(found, str)
-                        else f"{found.seq_len:,} tokens"
-                        + (f", {found.plan.speed.tokens_text()}" if found.plan.speed else "")
-                    )
-                    for tp, found in result.by_tensor_parallel.items()
+                    f"tp {tp}: {_reached(found)}" for tp, found in result.by_tensor_parallel.items()
                 )
                 + "."
             ]
